@@ -1,0 +1,60 @@
+"""VllmConfig: every config of one engine, with the checks that span several of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.config.cache import CacheConfig
+from vllm.config.model import ModelConfig
+from vllm.config.parallel import ParallelConfig
+from vllm.config.scheduler import SchedulerConfig
+
+__all__ = ["CacheConfig", "DeviceConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "VllmConfig"]
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+    """cuda, cpu, or auto (cuda when available)."""
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cuda", "cpu") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}.")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device=cuda was asked for but no CUDA device is available; use device=cpu.")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass
+class VllmConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        assert self.model_config.max_model_len is not None
+        self.scheduler_config.max_model_len = self.model_config.max_model_len
+        if self.model_config.return_sampling_mask:
+            if self.model_config.logprobs_mode != "processed_logprobs":
+                raise ValueError(
+                    "return_sampling_mask requires logprobs_mode='processed_logprobs' (got "
+                    f"{self.model_config.logprobs_mode!r}), so that returned logprobs are normalised over the "
+                    "same support as the mask: pass --logprobs-mode processed_logprobs.")
+            if self.parallel_config.enable_batch_sharded_sampling:
+                raise ValueError(
+                    "return_sampling_mask cannot be combined with enable_batch_sharded_sampling: the batch-sharded "
+                    "gather would drop the masks. Pass --no-enable-batch-sharded-sampling or drop "
+                    "--return-sampling-mask.")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model_config.resolve_dtype(self.device_config.torch_device)

@@ -1,0 +1,123 @@
+"""ModelConfig: which checkpoint, in which dtype, and how its outputs are returned."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Literal
+
+import torch
+
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+_STR_TO_DTYPE = {
+    "float32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def default_model_path() -> str:
+    """The bundled tiny model: the default whenever no model is named."""
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
+
+
+def load_hf_config(model: str) -> SimpleNamespace:
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"No config.json in {model!r}: the model must be a local folder in Hugging Face format "
+                         "(there is no model hub at run time).")
+    with open(path) as f:
+        raw: dict[str, Any] = json.load(f)
+    return SimpleNamespace(**raw)
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None
+    """Path of a local Hugging Face checkpoint folder; the bundled tiny model when not given."""
+    tokenizer: str | None = None
+    """Tokenizer folder; the model folder when not given."""
+    served_model_name: str | None = None
+    """Model name reported by the API; the model path when not given."""
+    dtype: str = "auto"
+    """Weights and activations dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16."""
+    seed: int = 0
+    """Seed of the engine's random state (requests without their own seed)."""
+    max_model_len: int | None = None
+    """Context length (prompt plus output); the model's max_position_embeddings when not given."""
+    skip_tokenizer_init: bool = False
+    """Do not load a tokenizer: prompts must be token ids and outputs carry no text."""
+    load_format: str = "auto"
+    """auto or safetensors: read the checkpoint's weights; dummy: random weights from config.json alone."""
+    logprobs_mode: str = "raw_logprobs"
+    """What `logprobs` returns: raw_logprobs, raw_logits, processed_logprobs or processed_logits."""
+    max_logprobs: int = 20
+    """Largest `logprobs` a request may ask for."""
+    return_sampling_mask: bool = False
+    """Return, for every generated token, the ids the sampler could have drawn (its support). Needs
+    --logprobs-mode processed_logprobs."""
+
+    hf_config: SimpleNamespace = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = default_model_path()
+        self.model = os.path.expanduser(self.model)
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
+        if self.dtype != "auto" and self.dtype not in _STR_TO_DTYPE:
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}.")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        self.hf_config = load_hf_config(self.model)
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"config.json of {self.model!r} names no architectures.")
+        max_pos = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        if self.max_model_len is None:
+            self.max_model_len = max_pos
+        elif self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(self.hf_config.architectures)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or str(self.model)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _STR_TO_DTYPE[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        cfg = str(getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", "bfloat16"))
+        return torch.float16 if cfg == "float16" else torch.bfloat16
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_size(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)

@@ -1,0 +1,35 @@
+"""Every VLLM_* environment variable, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def _str(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value else default
+
+
+def _bool(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def __getattr__(name: str):  # read at use, so tests can set variables with monkeypatch
+    if name in _VARS:
+        return _VARS[name]()
+    raise AttributeError(name)
+
+
+_VARS = {
+    # Attention backend: TORCH or TRITON (default: TRITON on CUDA, TORCH on CPU).
+    "VLLM_ATTENTION_BACKEND": lambda: _str("VLLM_ATTENTION_BACKEND"),
+    # Run the engine core in a child process (1) or in the caller's process (0); LLM defaults to in-process.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: _bool("VLLM_ENABLE_V1_MULTIPROCESSING", False),
+    # Benchmarks only: run the pre-change sampling-mask path (copy the full bitmask every step, unpack on host).
+    "VLLM_SAMPLING_MASK_LEGACY_PATH": lambda: _bool("VLLM_SAMPLING_MASK_LEGACY_PATH", False),
+    # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
+    "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
+}

@@ -1,0 +1,81 @@
+"""The engine-core protocol: the msgspec structs that cross the frontend <-> engine-core boundary.
+
+Token ids and sampling params go in; new token ids, logprobs, the per-step sampling-mask slice and finish
+reasons come out. Text never crosses this boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+from vllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; `str()` gives the OpenAI API's spelling."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float = 0.0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    request_id: str
+    new_token_ids: list[int]
+    # LogprobsLists for this request's new tokens (vllm.v1.outputs), or None.
+    new_logprobs: Any = None
+    # SamplingMaskLists slice for this request's new tokens (vllm.v1.outputs), offsets None = one position.
+    new_sampling_mask: Any = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    # Sampling-mask sizes of this step's rows and how many overflowed the compact K.
+    sampling_mask_sizes: list[int] = msgspec.field(default_factory=list)
+    num_sampling_mask_overflow_rows: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = msgspec.field(default_factory=time.monotonic)
+    # Request ids finished inside the core without an output of their own (aborts).
+    finished_requests: set[str] | None = None
+
+
+class EngineCoreRequestType(enum.Enum):
+    """Message types from the frontend to the engine-core process (first ZMQ frame)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x03"

@@ -1,0 +1,92 @@
+"""What the model runner returns each step: ModelRunnerOutput with its host-side lists.
+
+Per-step results are CSR-like: row p is one generated position; `cu_num_generated_tokens` (length num_reqs+1)
+maps requests to positions, or is None when every request of the step owns exactly one position (row ==
+req_idx). A request that sampled nothing in the step (a chunked-prefill piece) has an empty row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+
+def _position_range(cu: list[int] | None, req_idx: int, num_positions: int) -> tuple[int, int]:
+    start = cu[req_idx] if cu is not None else req_idx
+    return start, start + num_positions
+
+
+class LogprobsLists(NamedTuple):
+    # [num_positions, num_logprobs + 1] int32: the sampled token first, then the top num_logprobs.
+    logprob_token_ids: np.ndarray
+    # [num_positions, num_logprobs + 1] float32
+    logprobs: np.ndarray
+    # [num_positions] int32: rank of the sampled token in the vocabulary (1 = most likely).
+    sampled_token_ranks: np.ndarray
+    cu_num_generated_tokens: list[int] | None = None
+
+    def slice_request(self, req_idx: int, num_positions: int = 1) -> LogprobsLists:
+        start, end = _position_range(self.cu_num_generated_tokens, req_idx, num_positions)
+        return LogprobsLists(self.logprob_token_ids[start:end], self.logprobs[start:end],
+                             self.sampled_token_ranks[start:end], None)
+
+
+class LogprobsTensors(NamedTuple):
+    # [num_reqs, num_logprobs + 1] int32
+    logprob_token_ids: torch.Tensor
+    # [num_reqs, num_logprobs + 1] float32
+    logprobs: torch.Tensor
+    # [num_reqs] int32
+    selected_token_ranks: torch.Tensor
+
+    def tolists(self, cu_num_generated_tokens: list[int] | None = None) -> LogprobsLists:
+        return LogprobsLists(self.logprob_token_ids.cpu().numpy(), self.logprobs.cpu().numpy(),
+                             self.selected_token_ranks.cpu().numpy(), cu_num_generated_tokens)
+
+
+class SamplingMaskLists(NamedTuple):
+    """The step's supports as a CSR over positions: position p owns token_ids[offsets[p]:offsets[p+1]].
+
+    `offsets=None` means the whole `token_ids` is one position (what `slice_request` returns by default).
+    """
+
+    # [total_support] int32, ascending within each position.
+    token_ids: np.ndarray
+    # [num_positions + 1] int64, or None for a single position.
+    offsets: np.ndarray | None
+    cu_num_generated_tokens: list[int] | None = None
+
+    def slice_request(self, req_idx: int, num_positions: int = 1) -> SamplingMaskLists:
+        assert self.offsets is not None, "slice_request needs the step's offsets"
+        start, end = _position_range(self.cu_num_generated_tokens, req_idx, num_positions)
+        lo, hi = int(self.offsets[start]), int(self.offsets[end])
+        if num_positions == 1:
+            return SamplingMaskLists(self.token_ids[lo:hi], None, None)
+        return SamplingMaskLists(self.token_ids[lo:hi], self.offsets[start:end + 1] - lo, None)
+
+    @property
+    def num_positions(self) -> int:
+        return 1 if self.offsets is None else len(self.offsets) - 1
+
+    def to_nested_list(self) -> list[list[int]]:
+        if self.offsets is None:
+            return [self.token_ids.tolist()]
+        ids, offs = self.token_ids, self.offsets.tolist()
+        return [ids[offs[i]:offs[i + 1]].tolist() for i in range(len(offs) - 1)]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # [num_reqs]
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request: the tokens sampled this step (empty for a partial prefill).
+    sampled_token_ids: list[list[int]]
+    logprobs: LogprobsLists | None = None
+    sampling_masks: SamplingMaskLists | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

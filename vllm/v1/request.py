@@ -1,0 +1,103 @@
+"""Request: the engine core's record of one request (token ids, progress, status).
+
+Invariants: `all_token_ids == prompt_token_ids + output_token_ids`; `num_computed_tokens <= num_tokens`; a
+request samples in a step when the step's tokens bring `num_computed_tokens` up to `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreRequest, FinishReason
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISHED_REASON_MAP.get(status)
+
+
+_FINISHED_REASON_MAP = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        assert sampling_params.max_tokens is not None, "max_tokens is resolved by the input processor"
+        self.max_tokens: int = sampling_params.max_tokens
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+        )
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)

@@ -1,0 +1,30 @@
+"""SamplingMetadata: the batch's sampling settings as tensors, built by the model runner each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    # [num_reqs] float32; None when every row is greedy. Greedy rows hold 1.0 (their logits are unchanged).
+    temperature: torch.Tensor | None
+    all_greedy: bool
+    all_random: bool
+    # [num_reqs] float32, 1.0 where disabled; None when no row uses top-p.
+    top_p: torch.Tensor | None
+    # [num_reqs] int32, vocab_size where disabled; None when no row uses top-k.
+    top_k: torch.Tensor | None
+    # [num_reqs] float32, 0.0 where disabled; None when no row uses min-p.
+    min_p: torch.Tensor | None
+    # row -> generator, for seeded rows that sample this step (only those draw random numbers from it).
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Largest `logprobs` in the batch; None when no row asks for logprobs.
+    max_num_logprobs: int | None = None
+    # Largest top_k in the batch (the compact width of the sampling mask); vocab_size when some row has none.
+    max_top_k: int = 0
+    # [num_reqs] int32: 1 for rows whose sampling mask is wanted this step, 0 otherwise (the num_sampled of
+    # SamplingMaskTensors.from_logits); None when no row wants a mask.
+    sampling_mask_rows: torch.Tensor | None = None
