@@ -1,0 +1,106 @@
+"""EngineArgs: the flat list of engine options, their CLI flags, and the VllmConfig they build.
+
+A flag's help is the docstring of the config field it sets (read from the config classes' source), so the
+config classes stay the one place where an option is described.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import Any
+
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+
+_CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
+
+
+@cache
+def _field_docs() -> dict[str, str]:
+    """Attribute docstrings of every config dataclass: the string literal right after `name: type = value`."""
+    docs: dict[str, str] = {}
+    for cls in _CONFIG_CLASSES:
+        body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    skip_tokenizer_init: bool = False
+    load_format: str = "auto"
+    logprobs_mode: str = "raw_logprobs"
+    max_logprobs: int = 20
+    return_sampling_mask: bool = False
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    tensor_parallel_size: int = 1
+    enable_batch_sharded_sampling: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
+        docs = _field_docs()
+        for f in fields(EngineArgs):
+            name = "--" + f.name.replace("_", "-")
+            help_text = docs.get(f.name, "")
+            if f.name == "model" and positional_model:
+                parser.add_argument("model", nargs="?", default=None,
+                                    help=help_text + " (also accepted as --model)")
+                parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+                continue
+            if f.type in ("bool", bool):
+                parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                continue
+            parser.add_argument(name, type=_parse_type(str(f.type)), default=f.default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        kwargs = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if getattr(args, "model_flag", None):
+            kwargs["model"] = args.model_flag
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> VllmConfig:
+        model_config = ModelConfig(
+            model=self.model, tokenizer=self.tokenizer, served_model_name=self.served_model_name, dtype=self.dtype,
+            seed=self.seed, max_model_len=self.max_model_len, skip_tokenizer_init=self.skip_tokenizer_init,
+            load_format=self.load_format, logprobs_mode=self.logprobs_mode, max_logprobs=self.max_logprobs,
+            return_sampling_mask=self.return_sampling_mask)
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                                     kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
+            scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                             max_num_batched_tokens=self.max_num_batched_tokens),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                           enable_batch_sharded_sampling=self.enable_batch_sharded_sampling),
+            device_config=DeviceConfig(device=self.device))
+
+    def replace(self, **kwargs: Any) -> EngineArgs:
+        return dataclasses.replace(self, **kwargs)
+
+
+def _parse_type(annotation: str) -> Any:
+    base = annotation.replace(" | None", "").strip()
+    return {"int": int, "float": float, "str": str}.get(base, str)

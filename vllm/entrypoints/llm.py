@@ -1,0 +1,96 @@
+"""LLM: the offline entry point: `generate()` over a list of prompts, `chat()` through the chat template."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.transformers_utils.tokenizer import Tokenizer
+from vllm.v1.engine.llm_engine import LLMEngine, PromptType
+
+ChatMessage = dict[str, Any]
+
+
+class LLM:
+    """Generate from a local Hugging Face checkpoint (the bundled tiny model when `model` is None).
+
+    Keyword arguments are EngineArgs fields (vLLM's names): dtype, device, seed, max_model_len,
+    skip_tokenizer_init, gpu_memory_utilization, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
+    load_format, logprobs_mode, return_sampling_mask, ...
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
+                 device: str = "auto", seed: int = 0, max_model_len: int | None = None,
+                 skip_tokenizer_init: bool = False, **kwargs: Any) -> None:
+        known = {f for f in EngineArgs.__dataclass_fields__}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise ValueError(f"Unknown LLM argument(s): {', '.join(sorted(unknown))}.")
+        engine_args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+                                 max_model_len=max_model_len, skip_tokenizer_init=skip_tokenizer_init, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"Got {len(prompts)} prompts but {len(params_list)} sampling params; pass one "
+                                 "SamplingParams or one per prompt.")
+        # Validate every prompt before adding any, so a bad one leaves the engine as it was.
+        processed = []
+        for prompt, params in zip(prompts, params_list):
+            params = params.clone()
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            processed.append(self.llm_engine.process_request(str(next(self.request_counter)), prompt, params))
+        for request, prompt_text in processed:
+            self.llm_engine.add_processed_request(request, prompt_text)
+        return self._run_engine([r.request_id for r, _ in processed], use_tqdm)
+
+    def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             **chat_template_kwargs: Any) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            token_ids = tokenizer.apply_chat_template(
+                conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **chat_template_kwargs)
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        pbar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        pbar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            pbar.close()
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,73 @@
+"""LLMEngine: the synchronous frontend: input processing, an engine core, and output processing.
+
+`add_request` validates and tokenizes before anything reaches the core, so a bad request raises ValueError and
+leaves every running request untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.engine.output_processor import OutputProcessor
+
+PromptType = str | Mapping[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        mc = vllm_config.model_config
+        self.tokenizer: Tokenizer | None = None if mc.skip_tokenizer_init else get_tokenizer(str(mc.tokenizer))
+        self.input_processor = InputProcessor(vllm_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
+        self.engine_core = EngineCore(vllm_config)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                        arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+        """Validate and tokenize one request without adding it (raises ValueError)."""
+        return self.input_processor.process_inputs(request_id, prompt, params, arrival_time or time.time())
+
+    def add_processed_request(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
+        self.output_processor.add_request(request, prompt_text)
+        self.engine_core.add_request(request)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        request, prompt_text = self.process_request(request_id, prompt, params, arrival_time)
+        self.add_processed_request(request, prompt_text)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        request_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(request_ids)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("The tokenizer was not initialized (skip_tokenizer_init=True).")
+        return self.tokenizer

@@ -1,0 +1,67 @@
+"""Worker: owns the device, the model runner and the KV cache; sizes the cache from the memory budget.
+
+On CUDA the budget is gpu_memory_utilization of the device's memory minus what the weights and a profiled peak
+of activations take; on CPU it is kv_cache_memory_bytes (default VLLM_CPU_KVCACHE_SPACE GiB). Either way the
+cache never holds more blocks than max_num_seqs full-length requests need.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllm import envs
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        self.device = vllm_config.device_config.torch_device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        self.model_runner = ModelRunner(vllm_config)
+
+    def determine_num_blocks(self) -> int:
+        cc = self.vllm_config.cache_config
+        runner = self.model_runner
+        per_block = runner.kv_cache_bytes_per_block()
+        max_useful = runner.max_num_reqs * runner.max_num_blocks_per_req
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            runner.profile_run()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated(self.device)
+            _, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * cc.gpu_memory_utilization) - peak
+            torch.cuda.empty_cache()
+        else:
+            budget = int(envs.VLLM_CPU_KVCACHE_SPACE * (1 << 30))
+        num_blocks = min(budget // per_block, max_useful)
+        if num_blocks < runner.max_num_blocks_per_req and num_blocks < max_useful:
+            min_bytes = per_block * runner.max_num_blocks_per_req
+            raise ValueError(
+                f"The KV cache budget ({budget / (1 << 30):.2f} GiB) holds {max(num_blocks, 0)} blocks, fewer than one "
+                f"request of max_model_len={runner.max_model_len} needs ({runner.max_num_blocks_per_req} blocks, "
+                f"{min_bytes / (1 << 30):.2f} GiB). Raise gpu_memory_utilization or kv_cache_memory_bytes, or lower "
+                "max_model_len.")
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, runner.block_size,
+                    num_blocks * per_block / (1 << 30))
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
