@@ -1,0 +1,139 @@
+"""InputProcessor: tokenization, request validation errors, max_tokens resolution, EOS / stop ids."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from test_tokenizer import build_tokenizer_folder
+
+from vllm.config import ModelConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
+from vllm.v1.engine.input_processor import InputProcessor
+
+MAX_MODEL_LEN = 32
+CONFIG_EOS = 1  # deliberately different from the tokenizer's EOS, to see which one is used
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = build_tokenizer_folder(str(tmp_path_factory.mktemp("model")))
+    vocab_size = get_tokenizer(folder).vocab_size
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["Qwen2ForCausalLM"], "vocab_size": vocab_size,
+                   "max_position_embeddings": MAX_MODEL_LEN, "eos_token_id": CONFIG_EOS}, f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: str) -> Tokenizer:
+    return get_tokenizer(model_dir)
+
+
+def make_processor(model_dir: str, tok: Tokenizer | None, masks: bool = False, **model_kwargs) -> InputProcessor:
+    mode = "processed_logprobs" if masks else "raw_logprobs"
+    config = VllmConfig(model_config=ModelConfig(model=model_dir, return_sampling_mask=masks, logprobs_mode=mode,
+                                                 max_logprobs=5, **model_kwargs))
+    return InputProcessor(config, tok)
+
+
+def test_text_and_token_prompts(model_dir: str, tok: Tokenizer) -> None:
+    proc = make_processor(model_dir, tok)
+    text = "héllo wörld 日本"
+    for prompt in (text, {"prompt": text}):
+        req, prompt_text = proc.process_inputs("r", prompt, SamplingParams(max_tokens=4), arrival_time=1.5)
+        assert req.prompt_token_ids == tok.encode(text)
+        assert prompt_text == text
+        assert req.arrival_time == 1.5 and req.request_id == "r"
+    req, prompt_text = proc.process_inputs("r", {"prompt_token_ids": [3, 4, 5]}, SamplingParams())
+    assert req.prompt_token_ids == [3, 4, 5] and prompt_text is None
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "empty"),
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": [0, 10**6]}, "out of vocabulary range"),
+    ({"prompt_token_ids": [-1]}, "out of vocabulary range"),
+    ({"prompt_token_ids": ["a"]}, "list of integers"),
+    ({"text": "x"}, "'prompt'"),
+    (42, "A prompt must be"),
+])
+def test_prompt_errors(model_dir: str, tok: Tokenizer, prompt, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make_processor(model_dir, tok).process_inputs("r", prompt, SamplingParams())
+
+
+def test_prompt_too_long(model_dir: str, tok: Tokenizer) -> None:
+    proc = make_processor(model_dir, tok)
+    with pytest.raises(ValueError, match=rf"The prompt \({MAX_MODEL_LEN} tokens\) is longer than the maximum "
+                                         rf"model length of {MAX_MODEL_LEN}"):
+        proc.process_inputs("r", {"prompt_token_ids": [3] * MAX_MODEL_LEN}, SamplingParams())
+    # One token shorter leaves room for exactly one output token.
+    req, _ = proc.process_inputs("r", {"prompt_token_ids": [3] * (MAX_MODEL_LEN - 1)}, SamplingParams())
+    assert req.sampling_params.max_tokens == 1
+
+
+def test_skip_tokenizer_init(model_dir: str) -> None:
+    proc = make_processor(model_dir, None, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        proc.process_inputs("r", "hello", SamplingParams())
+    with pytest.raises(ValueError, match="Stop strings need"):
+        proc.process_inputs("r", {"prompt_token_ids": [3]}, SamplingParams(stop=["x"]))
+    req, _ = proc.process_inputs("r", {"prompt_token_ids": [3]}, SamplingParams())
+    # Without a tokenizer the EOS comes from config.json; generation_config.json's ids become stop ids.
+    assert req.eos_token_id == CONFIG_EOS
+    generation_eos = set(json.load(open(os.path.join(model_dir, "generation_config.json")))["eos_token_id"])
+    assert set(req.sampling_params.stop_token_ids) == generation_eos - {CONFIG_EOS}
+
+
+def test_max_tokens_resolution_and_no_mutation(model_dir: str, tok: Tokenizer) -> None:
+    proc = make_processor(model_dir, tok)
+    prompt = {"prompt_token_ids": [3] * 10}
+    for max_tokens, expected in ((None, MAX_MODEL_LEN - 10), (1000, MAX_MODEL_LEN - 10), (3, 3)):
+        params = SamplingParams(max_tokens=max_tokens)
+        req, _ = proc.process_inputs("r", prompt, params)
+        assert req.sampling_params.max_tokens == expected
+        assert params.max_tokens == max_tokens
+        assert req.sampling_params is not params
+
+
+def test_logprobs_limit(model_dir: str, tok: Tokenizer) -> None:
+    proc = make_processor(model_dir, tok)
+    proc.process_inputs("r", "hi", SamplingParams(logprobs=5))
+    with pytest.raises(ValueError, match="maximum of 5"):
+        proc.process_inputs("r", "hi", SamplingParams(logprobs=6))
+
+
+def test_eos_and_stop_ids(model_dir: str, tok: Tokenizer) -> None:
+    proc = make_processor(model_dir, tok)
+    eos = tok.convert_tokens_to_ids(["<|im_end|>"])[0]
+    endoftext = tok.convert_tokens_to_ids(["<|endoftext|>"])[0]
+    params = SamplingParams(stop_token_ids=[9])
+    req, _ = proc.process_inputs("r", "hi", params)
+    assert req.eos_token_id == eos
+    assert req.sampling_params.stop_token_ids == [9, endoftext]
+    assert req.sampling_params.all_stop_token_ids == {9, endoftext}
+    assert params.stop_token_ids == [9] and params.all_stop_token_ids == {9}
+    req, _ = proc.process_inputs("r", "hi", SamplingParams(ignore_eos=True))
+    assert req.sampling_params.stop_token_ids == [] and req.sampling_params.all_stop_token_ids == set()
+
+
+def test_sampling_mask_validation(model_dir: str, tok: Tokenizer) -> None:
+    proc = make_processor(model_dir, tok, masks=True)
+    req, _ = proc.process_inputs("r", "hi", SamplingParams(temperature=1.0, top_k=5))
+    assert req.sampling_params.return_sampling_mask is True
+    for params in (SamplingParams(temperature=0.0, top_k=5), SamplingParams(temperature=1.0),
+                   SamplingParams(temperature=0.7, top_k=0, return_sampling_mask=True)):
+        with pytest.raises(ValueError, match="temperature > 0 and top_k > 0"):
+            proc.process_inputs("r", "hi", params)
+    # A request that opts out is not constrained and gets no masks.
+    req, _ = proc.process_inputs("r", "hi", SamplingParams(temperature=0.0, return_sampling_mask=False))
+    assert req.sampling_params.return_sampling_mask is False
+
+    off = make_processor(model_dir, tok, masks=False)
+    with pytest.raises(ValueError, match="--return-sampling-mask"):
+        off.process_inputs("r", "hi", SamplingParams(temperature=1.0, top_k=5, return_sampling_mask=True))
+    req, _ = off.process_inputs("r", "hi", SamplingParams(temperature=0.0))
+    assert req.sampling_params.return_sampling_mask is False

@@ -1,0 +1,62 @@
+"""LogprobsProcessor: turns each step's LogprobsLists slice into vLLM's per-token logprob dicts.
+
+Row p of a slice is one generated position: column 0 is the sampled token, columns 1..N the top N tokens in rank
+order. Invariants: one dict per generated token kept in the output (aligned with the token ids); the sampled
+token is always in its dict with its vocabulary rank; top tokens get ranks 1..N; `cumulative_logprob` is the sum
+of the sampled tokens' logprobs over the kept tokens.
+"""
+
+from __future__ import annotations
+
+from vllm.outputs import Logprob, SampleLogprobs
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import Tokenizer
+from vllm.v1.outputs import LogprobsLists
+
+
+class LogprobsProcessor:
+    """Per-request logprobs state: the dicts so far and the cumulative logprob (None when not requested)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, num_logprobs: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.num_logprobs = num_logprobs
+        self.logprobs: SampleLogprobs | None = None if num_logprobs is None else []
+        self.cumulative_logprob: float | None = None if num_logprobs is None else 0.0
+
+    @classmethod
+    def from_new_request(cls, tokenizer: Tokenizer | None, params: SamplingParams) -> LogprobsProcessor:
+        return cls(tokenizer if params.detokenize else None, params.logprobs)
+
+    def update(self, new_logprobs: LogprobsLists | None, num_positions: int | None = None) -> None:
+        """Append the dicts of the step's first `num_positions` positions (all of them when None)."""
+        if self.logprobs is None or new_logprobs is None:
+            return
+        token_ids, logprobs, ranks = new_logprobs.logprob_token_ids, new_logprobs.logprobs, \
+            new_logprobs.sampled_token_ranks
+        n = len(token_ids) if num_positions is None else min(num_positions, len(token_ids))
+        assert self.cumulative_logprob is not None
+        for p in range(n):
+            row_ids: list[int] = token_ids[p].tolist()
+            row_logprobs: list[float] = logprobs[p].tolist()
+            decoded: list[str | None] = (self.tokenizer.decode_each(row_ids) if self.tokenizer is not None
+                                         else [None] * len(row_ids))
+            self.cumulative_logprob += row_logprobs[0]
+            self.logprobs.append(_make_logprob_dict(row_ids, row_logprobs, decoded, int(ranks[p])))
+
+    def last(self, num_new: int) -> SampleLogprobs | None:
+        """The dicts of the last `num_new` tokens (a delta output)."""
+        if self.logprobs is None:
+            return None
+        return self.logprobs[len(self.logprobs) - num_new:] if num_new else []
+
+
+def _make_logprob_dict(token_ids: list[int], logprobs: list[float], decoded: list[str | None],
+                       sampled_rank: int) -> dict[int, Logprob]:
+    """{token id: Logprob} for one position; the top-N entries come after the sampled one.
+
+    NOTE: when the sampled token is also among the top N, its top-N entry (same logprob) replaces the first one,
+    so its rank is its position in the top N (equal to the vocabulary rank unless logprobs tie).
+    """
+    ranks = [sampled_rank, *range(1, len(token_ids))]
+    return {tid: Logprob(logprob=lp, rank=rank, decoded_token=text)
+            for tid, lp, rank, text in zip(token_ids, logprobs, ranks, decoded)}

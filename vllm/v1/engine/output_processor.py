@@ -1,0 +1,214 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs (detokenize, stop strings, logprobs, sampling masks).
+
+Runs in the frontend process. Per request it keeps the output token ids (in the detokenizer), the logprob dicts
+and the sampling masks, and builds a RequestOutput per step according to `SamplingParams.output_kind`
+(CUMULATIVE: everything so far; DELTA: only what is new; FINAL_ONLY: one output when the request finishes).
+
+Invariants:
+- Token ids, logprob dicts and masks stay aligned 1:1: `len(masks) == len(token_ids)` (and the same for logprobs
+  when requested), also when a stop string ends a request in the middle of a multi-token step.
+- Masks are built straight from each step's `SamplingMaskLists` slice with `to_nested_list()`; a request
+  returns masks when its engine-core outputs carry them (the engine flag is on and the request did not opt out).
+- A request finished by a stop string in the frontend (the engine core still runs it) is listed in
+  `reqs_to_abort`; a finished request's state is dropped at once, later outputs for it are ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.transformers_utils.tokenizer import Tokenizer
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.engine.logprobs import LogprobsProcessor
+from vllm.v1.outputs import SamplingMaskLists
+
+
+class OutputQueue(Protocol):
+    """What AsyncLLM hands in per request (an asyncio.Queue or a collector with the same method)."""
+
+    def put_nowait(self, item: Any) -> None: ...
+
+
+@dataclass(slots=True)
+class RequestStateStats:
+    """Per-request timings, kept when log_stats is on (seconds; arrival is wall clock, the rest monotonic)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+@dataclass(slots=True)
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    # Requests finished here by a stop string that the engine core still runs and must abort.
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class RequestState:
+    """Everything the frontend keeps for one running request."""
+
+    def __init__(self, request: EngineCoreRequest, prompt: str | None, tokenizer: Tokenizer | None,
+                 queue: OutputQueue | None, log_stats: bool) -> None:
+        self.request_id = request.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.params: SamplingParams = request.sampling_params
+        self.output_kind = self.params.output_kind
+        self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+        self.logprobs_processor = LogprobsProcessor.from_new_request(tokenizer, self.params)
+        # One ascending id list per output token, or None while the engine core sends no masks.
+        self.sampling_masks: list[list[int]] | None = None
+        self.queue = queue
+        self.num_cached_tokens = 0
+        self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
+
+    def append_sampling_masks(self, new_mask: SamplingMaskLists | None, num_new: int, num_kept: int) -> None:
+        """Append the step's masks for its first `num_kept` of `num_new` new tokens."""
+        if num_new == 0:
+            return
+        if new_mask is None:
+            if self.sampling_masks is not None:
+                raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens without "
+                                   "their sampling masks after sending masks before.")
+            return
+        masks = new_mask.to_nested_list()
+        if len(masks) != num_new:
+            raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens with "
+                               f"{len(masks)} sampling masks.")
+        if self.sampling_masks is None:
+            num_before = self.detokenizer.num_output_tokens - num_kept
+            if num_before:
+                raise RuntimeError(f"Request {self.request_id}: sampling masks started after {num_before} tokens.")
+            self.sampling_masks = []
+        self.sampling_masks.extend(masks[:num_kept])
+
+    def make_request_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
+                            stop_reason: int | str | None) -> RequestOutput | None:
+        finished = finish_reason is not None
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        num_new = len(new_token_ids)
+        text = self.detokenizer.get_next_output_text(finished, delta)
+        lp = self.logprobs_processor
+        if delta:
+            token_ids = list(new_token_ids)
+            logprobs = lp.last(num_new)
+        else:
+            token_ids = list(self.detokenizer.output_token_ids)
+            logprobs = None if lp.logprobs is None else list(lp.logprobs)
+        sampling_mask: SamplingMask | None = None
+        if self.sampling_masks is not None:
+            masks = self.sampling_masks[len(self.sampling_masks) - num_new:] if delta else list(self.sampling_masks)
+            sampling_mask = SamplingMask(token_ids=masks)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=lp.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=str(finish_reason) if finished else None,
+            stop_reason=stop_reason if finished else None,
+            sampling_mask=sampling_mask,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.stats,
+        )
+
+    def update_stats(self, num_new: int) -> None:
+        if self.stats is None or num_new == 0:
+            return
+        now = time.monotonic()
+        if self.stats.first_token_time is None:
+            self.stats.first_token_time = now
+        self.stats.last_token_time = now
+        self.stats.num_generation_tokens += num_new
+
+
+class OutputProcessor:
+    """Turns engine-core outputs into RequestOutputs for every request the frontend tracks."""
+
+    def __init__(self, tokenizer: Tokenizer | None, log_stats: bool) -> None:
+        self.tokenizer = tokenizer
+        self.log_stats = log_stats
+        self.request_states: dict[str, RequestState] = {}
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(self, request: EngineCoreRequest, prompt: str | None, queue: OutputQueue | None = None) -> None:
+        if request.request_id in self.request_states:
+            raise ValueError(f"Request id {request.request_id!r} is already running; request ids must be unique.")
+        self.request_states[request.request_id] = RequestState(request, prompt, self.tokenizer, queue,
+                                                               self.log_stats)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget these requests; returns the ones that were running (to abort in the engine core).
+
+        A request with a queue gets a final output (finish_reason "abort") so that its consumer stops waiting.
+        """
+        aborted: list[str] = []
+        for request_id in request_ids:
+            state = self.request_states.pop(request_id, None)
+            if state is None:
+                continue
+            aborted.append(request_id)
+            if state.queue is not None:
+                output = state.make_request_output([], FinishReason.ABORT, None)
+                if output is not None:
+                    state.queue.put_nowait(output)
+        return aborted
+
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        result = OutputProcessorOutput()
+        for eco in engine_core_outputs:
+            state = self.request_states.get(eco.request_id)
+            if state is None:
+                # Aborted or already finished by a stop string.
+                continue
+            finish_reason = eco.finish_reason
+            stop_reason = eco.stop_reason
+            if eco.num_cached_tokens:
+                state.num_cached_tokens = eco.num_cached_tokens
+
+            new_token_ids = list(eco.new_token_ids)
+            num_before = state.detokenizer.num_output_tokens
+            stop_string = state.detokenizer.update(new_token_ids, stop_terminated=finish_reason == FinishReason.STOP,
+                                                   finished=finish_reason is not None)
+            if stop_string is not None:
+                finish_reason = FinishReason.STOP
+                stop_reason = stop_string
+            num_kept = state.detokenizer.num_output_tokens - num_before
+            kept_token_ids = new_token_ids[:num_kept]
+            state.logprobs_processor.update(eco.new_logprobs, num_kept)
+            state.append_sampling_masks(eco.new_sampling_mask, len(new_token_ids), num_kept)
+            state.update_stats(num_kept)
+
+            output = state.make_request_output(kept_token_ids, finish_reason, stop_reason)
+            if output is not None:
+                if state.queue is not None:
+                    state.queue.put_nowait(output)
+                else:
+                    result.request_outputs.append(output)
+            if finish_reason is not None:
+                del self.request_states[eco.request_id]
+                if not eco.finished:
+                    result.reqs_to_abort.append(eco.request_id)
+        return result
