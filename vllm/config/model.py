@@ -87,6 +87,9 @@ class ModelConfig:
             self.max_model_len = max_pos
         elif self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        elif self.max_model_len > max_pos:
+            raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
+                             f"max_position_embeddings={max_pos}; lower max_model_len.")
 
     @property
     def architectures(self) -> list[str]:
