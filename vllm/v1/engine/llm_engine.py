@@ -1,7 +1,8 @@
 """LLMEngine: the synchronous frontend: input processing, an engine core, and output processing.
 
 `add_request` validates and tokenizes before anything reaches the core, so a bad request raises ValueError and
-leaves every running request untouched.
+leaves every running request untouched. The core runs in this process (default) or, with
+`multiprocess_mode=True` / VLLM_ENABLE_V1_MULTIPROCESSING=1, in a child process behind the same client interface.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
 from vllm.v1.engine import EngineCoreRequest
-from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_processor import OutputProcessor
 
@@ -24,17 +26,20 @@ PromptType = str | Mapping[str, Any]
 
 
 class LLMEngine:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, multiprocess_mode: bool | None = None) -> None:
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
         self.tokenizer: Tokenizer | None = None if mc.skip_tokenizer_init else get_tokenizer(str(mc.tokenizer))
         self.input_processor = InputProcessor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
-        self.engine_core = EngineCore(vllm_config)
+        if multiprocess_mode is None:
+            multiprocess_mode = envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        self.multiprocess_mode = multiprocess_mode
+        self.engine_core = EngineCoreClient.make_client(multiprocess_mode, False, vllm_config)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool | None = None) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), multiprocess_mode)
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                         arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
@@ -55,7 +60,9 @@ class LLMEngine:
         self.engine_core.abort_requests(request_ids)
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.engine_core.step()
+        if self.multiprocess_mode and not self.output_processor.has_unfinished_requests():
+            return []
+        outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
@@ -71,3 +78,6 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("The tokenizer was not initialized (skip_tokenizer_init=True).")
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,141 @@
+"""The ZMQ engine-core clients against a fake core in a child process: handshake, outputs, aborts, startup
+errors and a core that dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
+from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, SyncMPClient
+from vllm.v1.outputs import SamplingMaskLists
+
+CRASH_TOKEN = 999_999
+
+
+class FakeEngineCore:
+    """Emits token `len(prompt) + i` at step i with mask [t - 1, t, t + 1]; finishes after max_tokens."""
+
+    num_gpu_blocks = 7
+
+    def __init__(self, vllm_config: object) -> None:
+        self.requests: dict[str, tuple[EngineCoreRequest, int]] = {}
+        self.aborted: list[str] = []
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.prompt_token_ids[:1] == [CRASH_TOKEN]:
+            os._exit(3)
+        self.requests[request.request_id] = (request, 0)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for req_id in request_ids:
+            if self.requests.pop(req_id, None) is not None:
+                self.aborted.append(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> EngineCoreOutputs:
+        outputs = []
+        for req_id, (request, n) in list(self.requests.items()):
+            token = len(request.prompt_token_ids) + n
+            done = n + 1 >= (request.sampling_params.max_tokens or 1)
+            mask = SamplingMaskLists(np.array([token - 1, token, token + 1], np.int32), None, None)
+            outputs.append(EngineCoreOutput(req_id, [token], None, mask, FinishReason.LENGTH if done else None))
+            if done:
+                del self.requests[req_id]
+            else:
+                self.requests[req_id] = (request, n + 1)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=SchedulerStats(num_running_reqs=len(self.requests)))
+
+
+class FailingEngineCore:
+    def __init__(self, vllm_config: object) -> None:
+        raise ValueError("model folder /nope has no config.json")
+
+
+def _request(req_id: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
+    return EngineCoreRequest(req_id, prompt, SamplingParams(max_tokens=max_tokens), None, 0.0)
+
+
+def _sync_client(factory: type = FakeEngineCore) -> SyncMPClient:
+    return SyncMPClient(None, engine_core_factory=factory, start_method="fork")  # type: ignore[arg-type]
+
+
+def _collect(client: SyncMPClient, num_finished: int) -> dict[str, list[EngineCoreOutput]]:
+    by_req: dict[str, list[EngineCoreOutput]] = {}
+    finished = 0
+    while finished < num_finished:
+        for out in client.get_output(timeout_s=10).outputs:
+            by_req.setdefault(out.request_id, []).append(out)
+            finished += out.finished
+    return by_req
+
+
+def test_sync_client_round_trip_and_abort() -> None:
+    client = _sync_client()
+    try:
+        assert client.ready_info["num_gpu_blocks"] == 7
+        client.add_request(_request("a", [1, 2, 3], 4))
+        client.add_request(_request("b", [1], 2))
+        by_req = _collect(client, 2)
+        assert [o.new_token_ids[0] for o in by_req["a"]] == [3, 4, 5, 6]
+        assert [o.new_token_ids[0] for o in by_req["b"]] == [1, 2]
+        for outs in by_req.values():
+            for o in outs:
+                assert isinstance(o.new_sampling_mask, SamplingMaskLists)
+                t = o.new_token_ids[0]
+                assert o.new_sampling_mask.to_nested_list() == [[t - 1, t, t + 1]]
+        assert by_req["a"][-1].finish_reason is FinishReason.LENGTH
+
+        # A long request aborted mid-way stops producing outputs; a later request still runs.
+        client.add_request(_request("long", [1], 10_000))
+        assert client.get_output(timeout_s=10).outputs[0].request_id == "long"
+        client.abort_requests(["long"])
+        client.add_request(_request("after", [1, 1], 1))
+        seen_after = False
+        while not seen_after:
+            outs = client.get_output(timeout_s=10).outputs
+            seen_after = any(o.request_id == "after" for o in outs)
+        assert all(o.request_id != "long" for o in outs)
+    finally:
+        client.shutdown()
+    assert not client.proc.is_alive()
+
+
+def test_startup_error_is_raised_in_parent() -> None:
+    with pytest.raises(RuntimeError, match="no config.json"):
+        _sync_client(FailingEngineCore)
+
+
+def test_dead_core_raises_engine_dead_error() -> None:
+    client = _sync_client()
+    try:
+        client.add_request(_request("boom", [CRASH_TOKEN], 3))
+        with pytest.raises(EngineDeadError):
+            client.get_output(timeout_s=10)
+        assert client.is_dead
+        with pytest.raises(EngineDeadError):
+            client.add_request(_request("x", [1], 1))
+    finally:
+        client.shutdown()
+
+
+def test_async_client_streams_outputs() -> None:
+    async def run() -> list[int]:
+        client = AsyncMPClient(None, engine_core_factory=FakeEngineCore, start_method="fork")  # type: ignore[arg-type]
+        try:
+            await client.add_request_async(_request("a", [5, 5], 3))
+            tokens: list[int] = []
+            while len(tokens) < 3:
+                outputs = await asyncio.wait_for(client.get_output_async(), 10)
+                tokens += [t for o in outputs.outputs for t in o.new_token_ids]
+            return tokens
+        finally:
+            client.shutdown()
+
+    assert asyncio.run(run()) == [2, 3, 4]

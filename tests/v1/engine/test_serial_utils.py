@@ -1,0 +1,86 @@
+"""msgspec round trips of the engine-core protocol, numpy arrays included (dtype, shape, byte order, values)."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
+from vllm.v1.outputs import LogprobsLists, SamplingMaskLists
+from vllm.v1.serial_utils import NDARRAY_EXT_CODE, MsgpackDecoder, MsgpackEncoder
+
+
+@pytest.mark.parametrize("arr", [
+    np.arange(12, dtype=np.int32).reshape(3, 4),
+    np.array([[-0.5, -1.25], [0.0, -np.inf]], dtype=np.float32),
+    np.arange(6, dtype=">i8").reshape(2, 3),
+    np.zeros((0, 5), dtype=np.int64),
+    np.array([1, 2, 255], dtype=np.uint8),
+    np.arange(20, dtype=np.float64).reshape(4, 5)[:, ::2],  # non-contiguous
+])
+def test_ndarray_round_trip(arr: np.ndarray) -> None:
+    out = MsgpackDecoder().decode(MsgpackEncoder().encode({"a": arr}))["a"]
+    assert out.dtype == arr.dtype
+    assert out.shape == arr.shape
+    np.testing.assert_array_equal(out, arr)
+
+
+def test_ndarray_is_an_extension_of_raw_bytes() -> None:
+    arr = np.arange(1000, dtype=np.int32)
+    data = MsgpackEncoder().encode(arr)
+    ext = msgspec.msgpack.decode(data)
+    assert isinstance(ext, msgspec.msgpack.Ext) and ext.code == NDARRAY_EXT_CODE
+    # The raw little-endian buffer is inside the payload verbatim (no per-element encoding).
+    assert arr.tobytes() in bytes(ext.data)
+    assert len(data) < arr.nbytes + 64
+
+
+def test_object_arrays_are_refused() -> None:
+    with pytest.raises(TypeError):
+        MsgpackEncoder().encode(np.array([object()], dtype=object))
+
+
+def test_engine_core_request_round_trip() -> None:
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, stop=["\n"], stop_token_ids=[7], seed=3,
+                            max_tokens=9, logprobs=2, output_kind=RequestOutputKind.DELTA,
+                            return_sampling_mask=False)
+    request = EngineCoreRequest("req-1", [1, 2, 3], params, 2, 123.5)
+    out = MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(request))
+    assert out.request_id == "req-1" and out.prompt_token_ids == [1, 2, 3]
+    assert out.eos_token_id == 2 and out.arrival_time == 123.5
+    p = out.sampling_params
+    assert (p.temperature, p.top_k, p.top_p, p.stop, p.seed, p.max_tokens, p.logprobs) == (
+        0.7, 5, 0.9, ["\n"], 3, 9, 2)
+    assert p.output_kind is RequestOutputKind.DELTA
+    assert p.return_sampling_mask is False
+    assert p.all_stop_token_ids == {7}
+    assert p.output_text_buffer_length == 0
+
+
+def test_engine_core_outputs_round_trip_restores_named_tuples() -> None:
+    lp = LogprobsLists(np.array([[5, 1, 2]], np.int32), np.array([[-0.1, -2.0, -3.5]], np.float32),
+                       np.array([1], np.int32), None)
+    mask = SamplingMaskLists(np.array([1, 5, 9], np.int32), None, None)
+    multi = SamplingMaskLists(np.array([3, 4, 8], np.int32), np.array([0, 2, 3], np.int64), None)
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput("a", [5], lp, mask, FinishReason.STOP, "x"),
+                 EngineCoreOutput("b", [4, 8], None, multi, None),
+                 EngineCoreOutput("c", [])],
+        scheduler_stats=SchedulerStats(2, 1, 0.25, 0, [3, 2, 1], 1),
+        finished_requests={"d"})
+    got = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
+    a, b, c = got.outputs
+    assert isinstance(a.new_logprobs, LogprobsLists)
+    np.testing.assert_array_equal(a.new_logprobs.logprob_token_ids, lp.logprob_token_ids)
+    np.testing.assert_array_equal(a.new_logprobs.logprobs, lp.logprobs)
+    assert a.new_logprobs.logprobs.dtype == np.float32
+    assert isinstance(a.new_sampling_mask, SamplingMaskLists)
+    assert a.new_sampling_mask.to_nested_list() == [[1, 5, 9]]
+    assert a.finish_reason is FinishReason.STOP and a.stop_reason == "x"
+    assert b.new_sampling_mask.to_nested_list() == [[3, 4], [8]]
+    assert b.new_logprobs is None and b.finish_reason is None
+    assert c.new_token_ids == [] and c.new_sampling_mask is None
+    assert got.scheduler_stats == outputs.scheduler_stats
+    assert got.finished_requests == {"d"}

@@ -1,0 +1,50 @@
+"""The `vllm` command: `vllm serve [MODEL] [flags]` starts the OpenAI-compatible server.
+
+Engine flags come from EngineArgs.add_cli_args (vLLM's names); server flags from the API server. A bad flag
+value (a config ValueError, e.g. --tensor-parallel-size 2) exits with status 2 and the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from vllm.engine.arg_utils import EngineArgs
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm", description="vLLM-compatible LLM serving engine.")
+    subparsers = parser.add_subparsers(dest="subcommand", required=True)
+    serve = subparsers.add_parser("serve", help="Start the OpenAI-compatible HTTP server.",
+                                  description="Start the OpenAI-compatible HTTP server.")
+    from vllm.entrypoints.openai.api_server import add_frontend_args
+    add_frontend_args(serve)
+    EngineArgs.add_cli_args(serve)
+    return parser
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from vllm.entrypoints.openai.api_server import run_server
+    try:
+        EngineArgs.from_cli_args(args).create_engine_config()
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        return asyncio.run(run_server(args))
+    except RuntimeError as e:
+        logging.getLogger("vllm").error("%s", e)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.subcommand == "serve":
+        sys.exit(serve(args, parser))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an AsyncLLM.
+
+Endpoints: GET /v1/models, /health, /version, /metrics; POST /v1/completions, /v1/chat/completions,
+/inference/v1/generate. Errors are OpenAI-style `{"error": {message, type, param, code}}`: invalid input 400
+(validation errors included, never 422), unknown model 404, missing or wrong key under --api-key 401, a dead
+engine 500.
+
+Invariants:
+- A request is fully validated before it reaches the engine core, so a bad request never disturbs the others.
+- When the engine-core process dies, /health fails, in-flight requests get an error, the server shuts down and
+  `run_server` returns 1 (the process exits non-zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import vllm
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import NotFoundError, error_body, stream_errors
+from vllm.entrypoints.openai.serving_generate import OpenAIServingGenerate
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core_client import EngineDeadError
+
+logger = logging.getLogger("vllm.entrypoints.openai.api_server")
+
+_PROTECTED_PREFIXES = ("/v1", "/inference")
+
+
+def _error(message: str, status_code: int, err_type: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, err_type, param), status_code=status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"The request body is not valid JSON: {first.get('msg', '')}", None
+    details = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                        for e in errors[:5])
+    return f"Invalid request: {details}", param
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, AsyncGenerator):
+        return StreamingResponse(stream_errors(result), media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+def build_app(engine: AsyncLLM, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="vllm", version=vllm.__version__)
+    mc = engine.model_config
+    names = [mc.served_model_name or str(mc.model)]
+    app.state.engine = engine
+    app.state.models = OpenAIServingModels(names, str(mc.model), int(mc.max_model_len or 0))
+    app.state.completion = OpenAIServingCompletion(engine, names)
+    app.state.chat = OpenAIServingChat(engine, names)
+    app.state.generate = OpenAIServingGenerate(engine, names)
+
+    if api_key:
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Response:
+            if request.method != "OPTIONS" and request.url.path.startswith(_PROTECTED_PREFIXES):
+                if request.headers.get("Authorization") != f"Bearer {api_key}":
+                    return _error("Unauthorized: a valid API key is required.", 401, "AuthenticationError")
+            return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error(message, 400, "BadRequestError", param)
+
+    @app.exception_handler(ValueError)
+    async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return _error(str(exc), 400, "BadRequestError")
+
+    @app.exception_handler(NotFoundError)
+    async def on_not_found(request: Request, exc: NotFoundError) -> JSONResponse:
+        return _error(str(exc), 404, "NotFoundError", "model")
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(f"The engine died: {exc}", 500, "InternalServerError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(str(exc.detail), exc.status_code, "NotFoundError" if exc.status_code == 404 else "HTTPError")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return _error(f"The engine died: {engine.dead_error}", 500, "InternalServerError")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": vllm.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(app.state.models.show_available_models().model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest) -> Response:
+        return _respond(await app.state.completion.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
+        return _respond(await app.state.chat.create_chat_completion(request))
+
+    @app.post("/inference/v1/generate")
+    async def generate(request: GenerateRequest) -> Response:
+        return _respond(await app.state.generate.generate(request))
+
+    return app
+
+
+def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--host", default="0.0.0.0", help="Host name to listen on.")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    parser.add_argument("--api-key", default=None,
+                        help="Require this key in 'Authorization: Bearer <key>' on /v1 and /inference endpoints.")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level.")
+    return parser
+
+
+async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server) -> None:
+    await engine.engine_core.wait_dead()
+    logger.error("The engine core process died (%s); shutting the server down.", engine.dead_error)
+    engine._fail_all(engine.dead_error or EngineDeadError("The engine core process died."))
+    server.should_exit = True
+
+
+async def run_server(args: argparse.Namespace) -> int:
+    """Start the engine and serve until shutdown; returns the process exit code (1 when the engine died)."""
+    engine_args = EngineArgs.from_cli_args(args)
+    vllm_config = engine_args.create_engine_config()
+    engine = AsyncLLM(vllm_config)
+    try:
+        app = build_app(engine, args.api_key)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
+        server = uvicorn.Server(config)
+        watchdog = asyncio.create_task(_watch_engine(engine, server))
+        await server.serve()
+        watchdog.cancel()
+        if engine.errored:
+            return 1
+        return 0 if server.started else 1
+    finally:
+        engine.shutdown()

@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: messages through the chat template, JSON or SSE, with logprobs and masks.
+
+Streaming sends a first chunk with the assistant role, then one chunk per engine step (its text, token ids when
+asked, logprobs and the masks of its tokens), an optional usage chunk, and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                              ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+                                              ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
+                                              random_uuid)
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
+from vllm.outputs import RequestOutput
+
+
+def _message_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("Only text content parts ({'type': 'text', 'text': ...}) are supported.")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError("A message's content must be a string or a list of text parts.")
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not messages:
+        raise ValueError("messages must be a non-empty list.")
+    out = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ("system", "user", "assistant", "tool", "developer"):
+            raise ValueError(f"messages[{i}].role must be one of system, user, assistant, tool, developer; "
+                             f"got {role!r}.")
+        out.append({**message, "content": _message_text(message.get("content"))})
+    return out
+
+
+class OpenAIServingChat(OpenAIServing):
+    def _prompt_token_ids(self, request: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("Chat needs a tokenizer, but the server runs with --skip-tokenizer-init.")
+        messages = normalize_messages(request.messages)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=request.add_generation_prompt,
+                chat_template=request.chat_template, **(request.chat_template_kwargs or {}))
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"The chat template failed on these messages: {e}") from e
+        return list(ids)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
+        model = self.model_name(request.model)
+        params = request.to_sampling_params()
+        prompt_ids = self._prompt_token_ids(request)
+        request_id = f"chatcmpl-{random_uuid()}"
+        queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+        gen = self.engine.stream_outputs(request_id, queue)
+        if request.stream:
+            return self._stream(request, model, request_id, gen)
+        final: RequestOutput | None = None
+        async for out in gen:
+            final = out
+        assert final is not None
+        c = final.outputs[0]
+        choice = ChatCompletionResponseChoice(
+            index=0, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0) if request.logprobs
+            else None,
+            token_ids=list(c.token_ids) if request.return_token_ids else None,
+            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
+        num_prompt = len(final.prompt_token_ids or [])
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=len(c.token_ids),
+                          total_tokens=num_prompt + len(c.token_ids))
+        return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage,
+                                      prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
+
+    async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
+                      gen: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:
+        yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[
+            ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))]))
+        num_prompt = num_completion = 0
+        async for out in gen:
+            c = out.outputs[0]
+            num_prompt = len(out.prompt_token_ids or [])
+            num_completion += len(c.token_ids)
+            choice = ChatCompletionResponseStreamChoice(
+                index=0, delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
+                if request.logprobs else None,
+                token_ids=list(c.token_ids) if request.return_token_ids else None,
+                sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
+            yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+        if request.stream_options is not None and request.stream_options.include_usage:
+            usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                              total_tokens=num_prompt + num_completion)
+            yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage))
+        yield SSE_DONE

@@ -1,0 +1,142 @@
+"""POST /v1/completions: one engine request per prompt, JSON or SSE, with logprobs and sampling masks.
+
+Every prompt is validated and added before anything streams (a bad one is a 400 and aborts the others); each
+streamed chunk carries the token ids' masks of that chunk, so the chunks of a choice concatenate to one mask per
+generated token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from vllm.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
+                                              CompletionStreamResponse, UsageInfo, random_uuid)
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
+from vllm.outputs import RequestOutput
+from vllm.v1.engine.async_llm import PromptType
+
+
+def parse_prompts(prompt: Any) -> list[PromptType]:
+    if prompt is None or (isinstance(prompt, (str, list)) and len(prompt) == 0):
+        raise ValueError("prompt is required: send a string, a list of strings, or token ids.")
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    prompts: list[PromptType] = []
+    for p in prompt:
+        if isinstance(p, str):
+            prompts.append(p)
+        elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+            prompts.append({"prompt_token_ids": list(p)})
+        else:
+            raise ValueError("Each prompt must be a non-empty string or a non-empty list of token ids.")
+    return prompts
+
+
+async def merge_streams(gens: list[AsyncGenerator[RequestOutput, None]]
+                        ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Interleave several output streams, tagging each output with its stream's index."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for gen in gens:
+            await gen.aclose()
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def _start(self, request: CompletionRequest) -> tuple[str, list[str], list[AsyncGenerator]]:
+        params = request.to_sampling_params()
+        prompts = parse_prompts(request.prompt)
+        base_id = f"cmpl-{random_uuid()}"
+        request_ids: list[str] = []
+        gens: list[AsyncGenerator] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                req_id = f"{base_id}-{i}"
+                queue = await self.engine.add_request(req_id, prompt, params.clone())
+                request_ids.append(req_id)
+                gens.append(self.engine.stream_outputs(req_id, queue))
+        except BaseException:
+            await self.engine.abort(request_ids)
+            raise
+        return base_id, request_ids, gens
+
+    def _choice(self, request: CompletionRequest, index: int, out: RequestOutput, text_offset: int,
+                prefix: str = "", first: bool = True) -> CompletionResponseChoice:
+        c = out.outputs[0]
+        return CompletionResponseChoice(
+            index=index, text=prefix + c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            logprobs=(self.completion_logprobs(c.token_ids, c.logprobs, request.logprobs or 0, text_offset)
+                      if request.logprobs is not None else None),
+            token_ids=list(c.token_ids) if request.return_token_ids else None,
+            prompt_token_ids=list(out.prompt_token_ids or []) if request.return_token_ids and first else None,
+            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
+
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncGenerator[str, None]:
+        model = self.model_name(request.model)
+        base_id, request_ids, gens = await self._start(request)
+        if request.stream:
+            return self._stream(request, model, base_id, gens)
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge_streams(gens):
+            finals[i] = out
+        choices = []
+        usage = UsageInfo()
+        for i in range(len(gens)):
+            out = finals[i]
+            echo = (out.prompt or "") if request.echo else ""
+            choices.append(self._choice(request, i, out, len(echo), echo))
+            usage.prompt_tokens += len(out.prompt_token_ids or [])
+            usage.completion_tokens += len(out.outputs[0].token_ids)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=base_id, model=model, choices=choices, usage=usage)
+
+    async def _stream(self, request: CompletionRequest, model: str, base_id: str,
+                      gens: list[AsyncGenerator]) -> AsyncGenerator[str, None]:
+        offsets = [0] * len(gens)
+        usage = UsageInfo()
+        started = [False] * len(gens)
+        async for i, out in merge_streams(gens):
+            prefix = ""
+            first = not started[i]
+            if first:
+                started[i] = True
+                usage.prompt_tokens += len(out.prompt_token_ids or [])
+                if request.echo:
+                    prefix = out.prompt or ""
+            choice = self._choice(request, i, out, offsets[i], prefix, first)
+            offsets[i] += len(choice.text)
+            usage.completion_tokens += len(out.outputs[0].token_ids)
+            yield sse(CompletionStreamResponse(id=base_id, model=model, choices=[choice]))
+        if request.stream_options is not None and request.stream_options.include_usage:
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            yield sse(CompletionStreamResponse(id=base_id, model=model, choices=[], usage=usage))
+        yield SSE_DONE

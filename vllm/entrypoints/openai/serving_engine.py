@@ -1,0 +1,117 @@
+"""OpenAIServing: what the completion, chat and generate handlers share (model check, errors, logprobs, SSE).
+
+Errors are raised as exceptions and turned into OpenAI-style bodies by the server's exception handlers:
+ValueError -> 400, `NotFoundError` -> 404, EngineDeadError -> 500.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Sequence
+
+from pydantic import BaseModel
+
+from vllm.outputs import Logprob, RequestOutput
+from vllm.transformers_utils.tokenizer import Tokenizer
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core_client import EngineDeadError
+from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                              ChatCompletionLogProbsContent, CompletionLogProbs, ErrorInfo,
+                                              ErrorResponse)
+
+
+class NotFoundError(Exception):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+
+def error_body(message: str, status_code: int, err_type: str, param: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
+                                         code=status_code)).model_dump()
+
+
+def sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer: Tokenizer | None = engine.tokenizer
+        self.max_model_len = int(engine.model_config.max_model_len or 0)
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise NotFoundError(f"The model `{requested}` does not exist.")
+        return requested
+
+    def token_str(self, token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is not None:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return f"token_id:{token_id}"
+
+    def _top(self, entries: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+        ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30))
+        return [(tid, lp) for tid, lp in ranked if lp.rank is not None and lp.rank <= num][:num]
+
+    def completion_logprobs(self, token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None,
+                            num: int, initial_offset: int) -> CompletionLogProbs | None:
+        if logprobs is None:
+            return None
+        out = CompletionLogProbs()
+        offset = initial_offset
+        for token_id, entries in zip(token_ids, logprobs):
+            sampled = entries.get(token_id)
+            token = self.token_str(token_id, sampled)
+            out.tokens.append(token)
+            out.token_logprobs.append(sampled.logprob if sampled is not None else None)
+            top = {self.token_str(t, lp): max(lp.logprob, -9999.0) for t, lp in self._top(entries, num)}
+            if sampled is not None:
+                top.setdefault(token, max(sampled.logprob, -9999.0))
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def chat_logprobs(self, token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None,
+                      num: int) -> ChatCompletionLogProbs | None:
+        if logprobs is None:
+            return None
+        content: list[ChatCompletionLogProbsContent] = []
+        for token_id, entries in zip(token_ids, logprobs):
+            sampled = entries.get(token_id)
+            token = self.token_str(token_id, sampled)
+            top = [ChatCompletionLogProb(token=(s := self.token_str(t, lp)), logprob=max(lp.logprob, -9999.0),
+                                         bytes=list(s.encode("utf-8", errors="replace")))
+                   for t, lp in self._top(entries, num)]
+            content.append(ChatCompletionLogProbsContent(
+                token=token, logprob=max(sampled.logprob, -9999.0) if sampled is not None else -9999.0,
+                bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
+        return ChatCompletionLogProbs(content=content)
+
+
+async def stream_errors(gen: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """Wrap an SSE generator: an error after the stream started becomes an error event, then [DONE]."""
+    try:
+        async for chunk in gen:
+            yield chunk
+    except ValueError as e:
+        yield sse(error_body(str(e), 400, "BadRequestError"))
+        yield SSE_DONE
+    except EngineDeadError as e:
+        yield sse(error_body(f"The engine died: {e}", 500, "InternalServerError"))
+        yield SSE_DONE
+
+
+def final_output(outputs: list[RequestOutput]) -> RequestOutput:
+    if not outputs:
+        raise EngineDeadError("The engine returned no output for the request.")
+    return outputs[-1]

@@ -1,0 +1,52 @@
+"""POST /inference/v1/generate: vLLM's token-ids-in / token-ids-out endpoint for RL clients.
+
+Request `{request_id?, token_ids, sampling_params: {...}, model?, stream?}`; response `{request_id, choices:
+[{index, token_ids, logprobs, finish_reason, sampling_mask}], prompt_logprobs}`. Logprobs use the chat format;
+`sampling_mask[i]` is the ascending support of `token_ids[i]` (per chunk when streaming).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
+                                              GenerateStreamResponse, UsageInfo)
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
+from vllm.outputs import RequestOutput
+
+
+class OpenAIServingGenerate(OpenAIServing):
+    def _choice(self, out: RequestOutput, num_logprobs: int) -> GenerateResponseChoice:
+        c = out.outputs[0]
+        return GenerateResponseChoice(
+            index=0, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
+            logprobs=self.chat_logprobs(c.token_ids, c.logprobs, num_logprobs) if c.logprobs is not None else None,
+            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse | AsyncGenerator[str, None]:
+        self.model_name(request.model)
+        params = request.to_sampling_params()
+        if not request.token_ids:
+            raise ValueError("token_ids must be a non-empty list of prompt token ids.")
+        queue = await self.engine.add_request(request.request_id, {"prompt_token_ids": list(request.token_ids)},
+                                              params)
+        gen = self.engine.stream_outputs(request.request_id, queue)
+        num_logprobs = params.logprobs or 0
+        if request.stream:
+            return self._stream(request, gen, num_logprobs)
+        final: RequestOutput | None = None
+        async for out in gen:
+            final = out
+        assert final is not None
+        num_out = len(final.outputs[0].token_ids)
+        usage = UsageInfo(prompt_tokens=len(request.token_ids), completion_tokens=num_out,
+                          total_tokens=len(request.token_ids) + num_out)
+        return GenerateResponse(request_id=request.request_id, choices=[self._choice(final, num_logprobs)],
+                                usage=usage)
+
+    async def _stream(self, request: GenerateRequest, gen: AsyncGenerator[RequestOutput, None],
+                      num_logprobs: int) -> AsyncGenerator[str, None]:
+        async for out in gen:
+            yield sse(GenerateStreamResponse(request_id=request.request_id,
+                                             choices=[self._choice(out, num_logprobs)]))
+        yield SSE_DONE

@@ -1,0 +1,165 @@
+"""AsyncLLM: the asyncio frontend of the server: input processing here, the engine core in a child process.
+
+`generate()` validates and tokenizes (ValueError before anything reaches the core), registers a per-request
+queue with the OutputProcessor, sends the request, and yields RequestOutputs from the queue. One output-handler
+task reads EngineCoreOutputs from the client, runs the OutputProcessor (which feeds the queues), aborts in the
+core the requests a stop string ended here, and records metrics.
+
+Invariants:
+- A generator that is cancelled or closed early (client disconnect) aborts its request in the core, so its KV
+  blocks are freed.
+- Once the core process dies, every waiting request gets `EngineDeadError` and new requests are refused;
+  `errored` / `dead_error` tell the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
+from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
+from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.metrics.loggers import PrometheusStatLogger
+from vllm.v1.metrics.stats import RequestStatsTracker
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Mapping[str, Any]
+
+
+class AsyncLLM:
+    def __init__(self, vllm_config: VllmConfig, log_stats: bool = True) -> None:
+        self.vllm_config = vllm_config
+        mc = vllm_config.model_config
+        self.model_config = mc
+        self.tokenizer: Tokenizer | None = None if mc.skip_tokenizer_init else get_tokenizer(str(mc.tokenizer))
+        self.input_processor = InputProcessor(vllm_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
+        self.engine_core = AsyncMPClient(vllm_config)
+        self.num_gpu_blocks = int(self.engine_core.ready_info.get("num_gpu_blocks", 0))
+        self.log_stats = log_stats
+        self.stat_logger = PrometheusStatLogger(mc.name, self.num_gpu_blocks)
+        self.request_stats = RequestStatsTracker()
+        self.output_handler: asyncio.Task | None = None
+        self._background_tasks: set[asyncio.Task] = set()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        return cls(engine_args.create_engine_config())
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self.engine_core.dead_error if self.engine_core.is_dead else None
+
+    @property
+    def errored(self) -> bool:
+        return self.engine_core.is_dead
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("The tokenizer was not initialized (skip_tokenizer_init=True).")
+        return self.tokenizer
+
+    async def check_health(self) -> None:
+        error = self.dead_error
+        if error is not None:
+            raise error
+
+    def _ensure_output_handler(self) -> None:
+        if self.output_handler is None or self.output_handler.done():
+            self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
+
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams) -> asyncio.Queue[RequestOutput | BaseException]:
+        """Validate, register and send one request; raises ValueError (bad input) or EngineDeadError."""
+        await self.check_health()
+        request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, time.time())
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.output_processor.add_request(request, prompt_text, queue)
+        if self.log_stats:
+            self.request_stats.add_request(request_id, len(request.prompt_token_ids))
+        self._ensure_output_handler()
+        try:
+            await self.engine_core.add_request_async(request)
+        except BaseException:
+            self.output_processor.abort_requests([request_id])
+            self.request_stats.abort([request_id])
+            raise
+        return queue
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        queue = await self.add_request(request_id, prompt, sampling_params)
+        async for output in self.stream_outputs(request_id, queue):
+            yield output
+
+    async def stream_outputs(self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+                             ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield a request's outputs until it finishes; closing or cancelling it early aborts the request."""
+        finished = False
+        try:
+            while not finished:
+                item = queue.get_nowait() if not queue.empty() else await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._abort_now([request_id])
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        self._abort_now([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        """Forget the requests here and send ABORT to the core without waiting (safe inside `finally`)."""
+        aborted = self.output_processor.abort_requests(request_ids)
+        if self.log_stats:
+            self.stat_logger.record_finished(self.request_stats.abort(aborted))
+        if aborted and not self.engine_core.is_dead:
+            task = asyncio.get_running_loop().create_task(self.engine_core.abort_requests_async(aborted))
+            self._background_tasks.add(task)
+            task.add_done_callback(self._background_tasks.discard)
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:
+                    await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+                if self.log_stats:
+                    self.stat_logger.record_iteration(
+                        self.request_stats.update(outputs.outputs, processed.reqs_to_abort))
+                    if outputs.scheduler_stats is not None:
+                        self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+        except EngineDeadError as e:
+            logger.error("The engine core died: %s", e)
+            self._fail_all(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("The output handler failed.")
+            self._fail_all(EngineDeadError(f"The output handler failed: {e!r}"))
+            self.engine_core.dead_error = EngineDeadError(f"The output handler failed: {e!r}")
+
+    def _fail_all(self, error: BaseException) -> None:
+        for state in list(self.output_processor.request_states.values()):
+            if state.queue is not None:
+                state.queue.put_nowait(error)
+        self.output_processor.request_states.clear()
+
+    def shutdown(self) -> None:
+        if self.output_handler is not None and not self.output_handler.done():
+            self.output_handler.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,238 @@
+"""EngineCoreClient: how a frontend talks to its engine core, in-process or in a child process over ZMQ.
+
+- `InprocClient`: calls an EngineCore directly; `get_output()` runs one step.
+- `SyncMPClient` / `AsyncMPClient`: start the core with `run_engine_core` in a child process, send requests
+  over an ipc:// PUSH socket and read outputs from an ipc:// PULL socket (both in a private temp dir).
+
+Invariants:
+- The constructor returns only after the child reported READY (model loaded, KV cache allocated); a child that
+  fails or dies during startup raises `RuntimeError` in the parent with the child's error text.
+- After startup, a core that dies or reports a fatal error makes every later `get_output*` raise
+  `EngineDeadError`; `is_dead` tells without blocking (the process sentinel is checked at every poll timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from vllm.config import VllmConfig
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from vllm.v1.engine.core_proc import ERROR, OUTPUTS, READY, run_engine_core
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+# NOTE: how often a waiting client checks that the core process is still alive.
+_POLL_MS = 200
+STARTUP_TIMEOUT_S = 600.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process died or failed; the frontend cannot serve requests any more."""
+
+
+class EngineCoreClient:
+    """Base interface; `make_client` picks the implementation."""
+
+    @staticmethod
+    def make_client(multiprocess_mode: bool, asyncio_mode: bool, vllm_config: VllmConfig) -> EngineCoreClient:
+        if asyncio_mode:
+            if not multiprocess_mode:
+                raise ValueError("The asyncio engine-core client needs multiprocess_mode=True.")
+            return AsyncMPClient(vllm_config)
+        return SyncMPClient(vllm_config) if multiprocess_mode else InprocClient(vllm_config)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise NotImplementedError
+
+    def has_unfinished_requests(self) -> bool:
+        """Only the in-process client knows; over a process boundary the frontend's own state decides."""
+        return False
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InprocClient(EngineCoreClient):
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        from vllm.v1.engine.core import EngineCore
+        self.engine_core = EngineCore(vllm_config)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.engine_core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+
+def _shutdown_resources(proc: multiprocessing.process.BaseProcess, sockets: list[zmq.Socket], ctx: zmq.Context,
+                        tmp_dir: str) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    for socket in sockets:
+        socket.close(linger=0)
+    ctx.term()
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+class MPClient(EngineCoreClient):
+    """Starts the core process and owns the sockets; subclasses add sync or asyncio I/O."""
+
+    def __init__(self, vllm_config: VllmConfig, asyncio_mode: bool,
+                 engine_core_factory: Callable[[VllmConfig], Any] | None = None,
+                 start_method: str = "spawn") -> None:
+        self.tmp_dir = tempfile.mkdtemp(prefix="vllm-core-")
+        input_address = f"ipc://{os.path.join(self.tmp_dir, 'input')}"
+        output_address = f"ipc://{os.path.join(self.tmp_dir, 'output')}"
+        self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.PUSH)
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)
+        self.input_socket.bind(input_address)
+        self.output_socket = self.ctx.socket(zmq.PULL)
+        self.output_socket.setsockopt(zmq.RCVHWM, 0)
+        self.output_socket.bind(output_address)
+        self.encoder = MsgpackEncoder()
+        self.outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.generic_decoder = MsgpackDecoder()
+        self.dead_error: EngineDeadError | None = None
+
+        mp_ctx = multiprocessing.get_context(start_method)
+        self.proc = mp_ctx.Process(
+            target=run_engine_core, name="EngineCore", daemon=True,
+            args=(vllm_config, input_address, output_address, os.getpid(), engine_core_factory))
+        self.proc.start()
+        self._finalizer = weakref.finalize(self, _shutdown_resources, self.proc,
+                                           [self.input_socket, self.output_socket], self.ctx, self.tmp_dir)
+        try:
+            self.ready_info = self._wait_for_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_for_ready(self) -> dict[str, Any]:
+        # NOTE: a plain (sync) socket is needed for the handshake even in asyncio mode.
+        sync_socket = zmq.Socket.shadow(self.output_socket.underlying)
+        poller = zmq.Poller()
+        poller.register(sync_socket, zmq.POLLIN)
+        waited_ms = 0
+        while not poller.poll(_POLL_MS):
+            waited_ms += _POLL_MS
+            if not self.proc.is_alive():
+                raise RuntimeError(f"Engine core process exited with code {self.proc.exitcode} during startup; "
+                                   "see its log above for the reason.")
+            if waited_ms > STARTUP_TIMEOUT_S * 1000:
+                raise RuntimeError(f"Engine core did not start within {STARTUP_TIMEOUT_S:.0f} s.")
+        kind, payload = sync_socket.recv_multipart()
+        if kind == ERROR:
+            raise RuntimeError(f"Engine core failed to start: {self.generic_decoder.decode(payload)}")
+        if kind != READY:
+            raise RuntimeError(f"Unexpected first message from the engine core: {kind!r}.")
+        return dict(self.generic_decoder.decode(payload))
+
+    @property
+    def core_pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def is_dead(self) -> bool:
+        if self.dead_error is None and not self.proc.is_alive():
+            self.dead_error = EngineDeadError(f"Engine core process died (exit code {self.proc.exitcode}).")
+        return self.dead_error is not None
+
+    def _check_alive(self) -> None:
+        if self.is_dead:
+            assert self.dead_error is not None
+            raise self.dead_error
+
+    def _decode_output(self, kind: bytes, payload: bytes) -> EngineCoreOutputs:
+        if kind == OUTPUTS:
+            return self.outputs_decoder.decode(payload)
+        if kind == ERROR:
+            self.dead_error = EngineDeadError(str(self.generic_decoder.decode(payload)))
+            raise self.dead_error
+        raise RuntimeError(f"Unexpected message from the engine core: {kind!r}.")
+
+    def _abort_frames(self, request_ids: list[str]) -> tuple[bytes, bytes]:
+        return EngineCoreRequestType.ABORT.value, self.encoder.encode(list(request_ids))
+
+    def _add_frames(self, request: EngineCoreRequest) -> tuple[bytes, bytes]:
+        return EngineCoreRequestType.ADD.value, self.encoder.encode(request)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    def __init__(self, vllm_config: VllmConfig, engine_core_factory: Callable[[VllmConfig], Any] | None = None,
+                 start_method: str = "spawn") -> None:
+        super().__init__(vllm_config, False, engine_core_factory, start_method)
+        self.poller = zmq.Poller()
+        self.poller.register(self.output_socket, zmq.POLLIN)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        self.input_socket.send_multipart(self._add_frames(request), copy=False)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.is_dead:
+            self.input_socket.send_multipart(self._abort_frames(request_ids), copy=False)
+
+    def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs:
+        waited_ms = 0
+        while not self.poller.poll(_POLL_MS):
+            self._check_alive()
+            waited_ms += _POLL_MS
+            if timeout_s is not None and waited_ms >= timeout_s * 1000:
+                raise TimeoutError("No engine-core output within the timeout.")
+        kind, payload = self.output_socket.recv_multipart()
+        return self._decode_output(kind, payload)
+
+
+class AsyncMPClient(MPClient):
+    def __init__(self, vllm_config: VllmConfig, engine_core_factory: Callable[[VllmConfig], Any] | None = None,
+                 start_method: str = "spawn") -> None:
+        super().__init__(vllm_config, True, engine_core_factory, start_method)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        await self.input_socket.send_multipart(self._add_frames(request), copy=False)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and not self.is_dead:
+            await self.input_socket.send_multipart(self._abort_frames(request_ids), copy=False)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        while not await self.output_socket.poll(_POLL_MS):
+            self._check_alive()
+        kind, payload = await self.output_socket.recv_multipart()
+        return self._decode_output(kind, payload)
+
+    async def wait_dead(self) -> None:
+        """Return once the core process has exited (for the server's watchdog)."""
+        while not self.is_dead:
+            await asyncio.sleep(_POLL_MS / 1000)

@@ -1,0 +1,1 @@
+"""Frontend metrics: per-request timings (stats.py) and their Prometheus export (loggers.py)."""

@@ -1,0 +1,86 @@
+"""PrometheusStatLogger: the engine's Prometheus metrics (vLLM's `vllm:` names where they exist).
+
+Each logger owns its own CollectorRegistry, so several engines in one process (tests) do not collide;
+`/metrics` renders `generate_latest(logger.registry)`.
+"""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+
+from vllm.v1.engine import SchedulerStats
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
+
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0]
+_MASK_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536, 262144]
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, num_gpu_blocks: int) -> None:
+        self.registry = prom.CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.gauge_running = prom.Gauge("vllm:num_requests_running", "Requests in the running batch.", labels,
+                                        registry=r).labels(model_name)
+        self.gauge_waiting = prom.Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels,
+                                        registry=r).labels(model_name)
+        self.gauge_kv_usage = prom.Gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                                         labels, registry=r).labels(model_name)
+        self.gauge_kv_used_blocks = prom.Gauge("vllm:kv_cache_used_blocks", "KV cache blocks in use.", labels,
+                                               registry=r).labels(model_name)
+        self.gauge_num_blocks = prom.Gauge("vllm:num_gpu_blocks", "KV cache blocks in the pool.", labels,
+                                           registry=r).labels(model_name)
+        self.gauge_num_blocks.set(num_gpu_blocks)
+        self.num_gpu_blocks = num_gpu_blocks
+        self.counter_preemptions = prom.Counter("vllm:num_preemptions", "Preemptions.", labels,
+                                                registry=r).labels(model_name)
+        self.counter_prompt_tokens = prom.Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels,
+                                                  registry=r).labels(model_name)
+        self.counter_generation_tokens = prom.Counter("vllm:generation_tokens", "Generated tokens.", labels,
+                                                      registry=r).labels(model_name)
+        self.counter_request_success = prom.Counter("vllm:request_success", "Finished requests by finish reason.",
+                                                    labels + ["finished_reason"], registry=r)
+        self.model_name = model_name
+        self.hist_ttft = prom.Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                                        buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.hist_tpot = prom.Histogram("vllm:time_per_output_token_seconds", "Mean time per output token.",
+                                        labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.hist_e2e = prom.Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                                       buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.hist_mask_size = prom.Histogram("vllm:sampling_mask_size", "Ids in each returned sampling mask.",
+                                             labels, buckets=_MASK_SIZE_BUCKETS, registry=r).labels(model_name)
+        self.counter_mask_overflow = prom.Counter(
+            "vllm:sampling_mask_overflow_rows", "Mask rows larger than their top_k (served by the bitmask path).",
+            labels, registry=r).labels(model_name)
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.gauge_running.set(stats.num_running_reqs)
+        self.gauge_waiting.set(stats.num_waiting_reqs)
+        self.gauge_kv_usage.set(stats.kv_cache_usage)
+        self.gauge_kv_used_blocks.set(round(stats.kv_cache_usage * self.num_gpu_blocks))
+        if stats.num_preemptions:
+            self.counter_preemptions.inc(stats.num_preemptions)
+        for size in stats.sampling_mask_sizes:
+            self.hist_mask_size.observe(size)
+        if stats.num_sampling_mask_overflow_rows:
+            self.counter_mask_overflow.inc(stats.num_sampling_mask_overflow_rows)
+
+    def record_iteration(self, stats: IterationStats) -> None:
+        if stats.num_prompt_tokens:
+            self.counter_prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.counter_generation_tokens.inc(stats.num_generation_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.hist_ttft.observe(ttft)
+        self.record_finished(stats.finished)
+
+    def record_finished(self, finished: list[FinishedRequestStats]) -> None:
+        for f in finished:
+            self.counter_request_success.labels(self.model_name, f.finish_reason).inc()
+            self.hist_e2e.observe(f.e2e_latency)
+            if f.time_per_output_token is not None:
+                self.hist_tpot.observe(f.time_per_output_token)
+
+    def render(self) -> bytes:
+        return prom.generate_latest(self.registry)
