@@ -9,7 +9,7 @@ import torch
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    # [num_reqs] float32; None when every row is greedy. Greedy rows hold 1.0 (their logits are unchanged).
+    # [num_reqs] float32; None when every row is greedy. Greedy rows hold 0.0 (the sampler divides them by 1.0).
     temperature: torch.Tensor | None
     all_greedy: bool
     all_random: bool

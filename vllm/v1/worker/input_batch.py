@@ -70,7 +70,7 @@ class InputBatch:
     def _set_sampling_params(self, row: int, req_id: str, sp: SamplingParams, num_generated: int) -> None:
         greedy = sp.temperature < _SAMPLING_EPS
         self.greedy[row] = greedy
-        self.temperature[row] = 1.0 if greedy else sp.temperature
+        self.temperature[row] = 0.0 if greedy else sp.temperature
         self.top_p[row] = sp.top_p
         self.top_k[row] = sp.top_k if 0 < sp.top_k < self.vocab_size else self.vocab_size
         self.min_p[row] = sp.min_p

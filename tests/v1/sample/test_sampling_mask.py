@@ -1,0 +1,142 @@
+"""Sampling-mask compaction (Triton kernel, interpreted on CPU) vs a numpy reference of the finite set."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.sample.sampling_mask import (MAX_COMPACT_SUPPORT, SamplingMaskTensors, legacy_sampling_mask_lists)
+
+V = 4500
+# NOTE: on a CUDA machine the kernel runs compiled on the GPU; otherwise interpreted on CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_rows(sizes: list[int], vocab_size: int, seed: int) -> torch.Tensor:
+    """One row per size: `size` random finite ids, -inf elsewhere, plus NaN/+inf noise outside the support."""
+    rng = np.random.default_rng(seed)
+    logits = torch.full((len(sizes), vocab_size), float("-inf"))
+    for r, size in enumerate(sizes):
+        ids = rng.permutation(vocab_size)
+        logits[r, torch.from_numpy(ids[:size])] = torch.from_numpy(rng.standard_normal(size).astype(np.float32))
+        if size <= vocab_size - 2:
+            logits[r, int(ids[size])] = float("nan")
+            logits[r, int(ids[size + 1])] = float("inf")
+    return logits
+
+
+def reference_supports(logits: torch.Tensor, num_sampled: np.ndarray) -> list[np.ndarray]:
+    finite = np.isfinite(logits.numpy())
+    return [np.flatnonzero(finite[r]) if num_sampled[r] > 0 else np.empty(0, np.int64)
+            for r in range(logits.shape[0])]
+
+
+def check_mask(mask: SamplingMaskTensors, want: list[np.ndarray], num_kept: int) -> None:
+    mask = SamplingMaskTensors(*(t.cpu() for t in mask[:3]), mask.vocab_size)
+    counts = mask.counts.numpy()
+    assert mask.token_ids.shape == (len(want), num_kept) and mask.token_ids.dtype == torch.int32
+    assert counts.tolist() == [len(w) for w in want]
+    for r, w in enumerate(want):
+        n = min(len(w), num_kept)
+        assert np.array_equal(mask.token_ids[r, :n].numpy(), w[:n])
+    finite = np.zeros((len(want), mask.vocab_size), dtype=bool)
+    for r, w in enumerate(want):
+        finite[r, w] = True
+    assert np.array_equal(mask.packed_mask.numpy(), np.packbits(finite, axis=1, bitorder="little"))
+    lists = mask.tolists()
+    assert lists.offsets is not None and lists.offsets.dtype == np.int64 and lists.cu_num_generated_tokens is None
+    assert lists.token_ids.dtype == np.int32
+    assert [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])] == [w.tolist() for w in want]
+    for r, w in enumerate(want):
+        assert lists.slice_request(r).to_nested_list() == [w.tolist()]
+
+
+@pytest.mark.parametrize("max_num_kept", [512, 3000])
+def test_kernel_matches_reference_for_every_support_size(max_num_kept: int) -> None:
+    num_kept = min(max_num_kept, V, MAX_COMPACT_SUPPORT)
+    sizes = [0, 1, 7, num_kept - 1, num_kept, num_kept + 1, MAX_COMPACT_SUPPORT + 300, V, 5]
+    logits = build_rows(sizes, V, seed=max_num_kept)
+    num_sampled = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0], dtype=np.int32)  # the last row sampled nothing
+    mask = SamplingMaskTensors.from_logits(logits.to(DEVICE), torch.from_numpy(num_sampled), max_num_kept)
+    want = reference_supports(logits, num_sampled)
+    assert len(want[-1]) == 0 and len(want[1]) == 1
+    check_mask(mask, want, num_kept)
+    legacy = legacy_sampling_mask_lists(logits, torch.from_numpy(num_sampled))
+    lists = mask.tolists()
+    assert np.array_equal(legacy.token_ids, lists.token_ids) and np.array_equal(legacy.offsets, lists.offsets)
+
+
+def test_odd_vocab_strided_logits_and_copy_roundtrip() -> None:
+    vocab_size = 1003  # not a multiple of 8 nor of the block size
+    wide = build_rows([0, 3, 1003, 500, 999], vocab_size + 5, seed=7)
+    logits = wide[:, :vocab_size]  # row stride != vocab size
+    num_sampled = np.array([1, 1, 1, 1, 1], dtype=np.int32)
+    mask = SamplingMaskTensors.from_logits(logits.to(DEVICE), torch.from_numpy(num_sampled), 100)
+    want = reference_supports(logits.contiguous(), num_sampled)
+    check_mask(mask, want, 100)
+    copied = mask.to_cpu_nonblocking()
+    lists = copied.tolists()
+    assert np.array_equal(lists.token_ids, mask.tolists().token_ids)
+
+
+def test_torch_fallback_matches_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = build_rows([0, 4, 40, 41, 700], 777, seed=9)
+    num_sampled = torch.tensor([1, 1, 0, 1, 1], dtype=torch.int32)
+    kernel = SamplingMaskTensors.from_logits(logits.to(DEVICE), num_sampled, 40)
+    kernel = SamplingMaskTensors(*(t.cpu() for t in kernel[:3]), kernel.vocab_size)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    fallback = SamplingMaskTensors.from_logits(logits, num_sampled, 40)
+    assert torch.equal(kernel.counts, fallback.counts)
+    assert torch.equal(kernel.packed_mask, fallback.packed_mask)
+    assert np.array_equal(kernel.tolists().token_ids, fallback.tolists().token_ids)
+
+
+def test_mask_of_real_sampler_keeps_top_k_tie_through_bitmask() -> None:
+    vocab_size = 64
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, vocab_size, generator=gen)
+    logits[0] = torch.linspace(3.0, -3.0, vocab_size)
+    logits[0, :5] = torch.tensor([6.0, 5.0, 4.0, 4.0, 4.0])
+    top_k = torch.tensor([3, 3, 2], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.8, 0.6])
+    md = SamplingMetadata(temperature=torch.tensor([1.0, 0.9, 1.2]), all_greedy=False, all_random=True,
+                          top_p=top_p, top_k=top_k, min_p=None, max_top_k=3,
+                          sampling_mask_rows=torch.tensor([1, 1, 0], dtype=torch.int32))
+    out = Sampler("processed_logprobs")(logits, md)
+    mask = out.sampling_mask
+    assert mask is not None and mask.token_ids.shape == (3, 3)
+    processed = Sampler.process_logits(logits, md)
+    want = reference_supports(processed, md.sampling_mask_rows.numpy())
+    lists = mask.tolists()
+    got = [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])]
+    assert got[0] == [0, 1, 2, 3, 4]
+    assert int(mask.counts[0]) == 5 and got == [w.tolist() for w in want]
+    assert got[2] == []
+    for r in (0, 1):
+        assert int(out.sampled_token_ids[r]) in got[r]
+    legacy = legacy_sampling_mask_lists(processed, md.sampling_mask_rows)
+    assert np.array_equal(legacy.token_ids, lists.token_ids) and np.array_equal(legacy.offsets, lists.offsets)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overflow", [False, True])
+def test_cuda_copy_fetches_bitmask_rows_only_on_overflow(overflow: bool) -> None:
+    vocab_size = 151552
+    sizes = [1, 8, 220, 512, 0] + ([MAX_COMPACT_SUPPORT + 10, 600] if overflow else [])
+    logits = build_rows(sizes, vocab_size, seed=13).cuda()
+    num_sampled = torch.ones(len(sizes), dtype=torch.int32, device="cuda")
+    mask = SamplingMaskTensors.from_logits(logits, num_sampled, 512)
+    copy = mask.to_cpu_nonblocking()
+    assert copy.tensors.counts.is_pinned() and copy.tensors.packed_mask.is_cuda
+    del mask
+    lists = copy.tolists()
+    want = reference_supports(logits.cpu(), num_sampled.cpu().numpy())
+    assert [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])] == [w.tolist() for w in want]
+    eager = SamplingMaskTensors.from_logits(logits, num_sampled, 512).to_cpu_nonblocking(copy_packed_mask=True)
+    eager.wait()
+    assert not eager.tensors.packed_mask.is_cuda
+    assert np.array_equal(eager.tolists().token_ids, lists.token_ids)

@@ -1,0 +1,104 @@
+"""Sampler: logits of the step's rows -> sampled tokens, logprobs and the sampling mask.
+
+Order (the contract of docs/sampling_mask.md): float32 logits -> temperature -> min-p -> top-k -> top-p. Each
+filter writes -inf; the result ("processed logits") is what random rows draw from and what the sampling mask
+reads, so the sampled token of a random row is always inside its support. Tie rules: ops/topk_topp.py.
+
+Invariants:
+- Greedy rows (temperature < _SAMPLING_EPS, or every row when `all_greedy`) take the argmax of the raw logits;
+  their processed logits use temperature 1.0 (the argmax survives every filter).
+- Random rows use the exponential race (ops/sample.py); rows in `generators` use their own generator.
+- The input logits are never modified.
+- logprobs_mode picks the values of the logprobs output: raw_logprobs / raw_logits are taken before
+  temperature, processed_logprobs / processed_logits after every filter (-inf outside the support, and the
+  support's probabilities sum to 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.logprobs import gather_logprobs
+from vllm.v1.sample.ops.sample import random_sample
+from vllm.v1.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
+from vllm.v1.sample.sampling_mask import SamplingMaskTensors
+
+_SAMPLING_EPS = 1e-5
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    # [num_reqs] int64
+    sampled_token_ids: torch.Tensor
+    logprobs_tensors: LogprobsTensors | None
+    sampling_mask: SamplingMaskTensors | None = None
+
+
+class Sampler(nn.Module):
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        super().__init__()
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        md = sampling_metadata
+        logits = logits.to(torch.float32)  # [num_reqs, V]
+        want_logprobs = md.max_num_logprobs is not None
+        raw_values: torch.Tensor | None = None
+        if want_logprobs and self.logprobs_mode == "raw_logprobs":
+            raw_values = logits.log_softmax(dim=-1)
+        elif want_logprobs and self.logprobs_mode == "raw_logits":
+            raw_values = logits
+
+        greedy_tokens = None if md.all_random else logits.argmax(dim=-1)
+        need_processed = (not md.all_greedy or md.sampling_mask_rows is not None
+                          or (want_logprobs and raw_values is None))
+        processed = self.process_logits(logits, md) if need_processed else None
+
+        if md.all_greedy:
+            assert greedy_tokens is not None
+            sampled = greedy_tokens
+        else:
+            assert processed is not None
+            random_tokens = random_sample(processed.softmax(dim=-1), md.generators)
+            if greedy_tokens is None or md.temperature is None:
+                sampled = random_tokens
+            else:
+                sampled = torch.where(md.temperature < _SAMPLING_EPS, greedy_tokens, random_tokens)
+
+        logprobs_tensors = None
+        if want_logprobs:
+            if raw_values is not None:
+                values = raw_values
+            else:
+                assert processed is not None
+                values = processed.log_softmax(dim=-1) if self.logprobs_mode == "processed_logprobs" else processed
+            logprobs_tensors = gather_logprobs(values, md.max_num_logprobs, sampled)
+
+        sampling_mask = None
+        if md.sampling_mask_rows is not None:
+            assert processed is not None
+            sampling_mask = SamplingMaskTensors.from_logits(processed, md.sampling_mask_rows, md.max_top_k)
+        return SamplerOutput(sampled, logprobs_tensors, sampling_mask)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Temperature, min-p, top-k, top-p on a copy of `logits` ([num_reqs, V] float32)."""
+        if md.temperature is None:
+            processed = logits.clone()
+        else:
+            temperature = md.temperature.to(torch.float32)
+            temperature = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature)
+            processed = logits / temperature[:, None]
+        if md.min_p is not None:
+            apply_min_p(processed, md.min_p)
+        apply_top_k_top_p(processed, md.top_k, md.top_p, md.max_top_k)
+        return processed

@@ -1,0 +1,260 @@
+"""The sampling mask: each row's support (ids whose processed logit is finite), compacted on the device.
+
+Role: `SamplingMaskTensors.from_logits` runs one Triton pass over the processed logits and produces, per row,
+the ascending support ids in a compact [num_reqs, K] buffer, the full support size, and a packed bitmask that
+is the exact fallback for rows whose support is larger than K. `tolists()` turns that into the step's
+`SamplingMaskLists` CSR on the host.
+
+Invariants:
+- support(row) = {i : processed_logits[row, i] is finite}, ascending; NaN, +inf and -inf are never in it.
+- rows with num_sampled == 0 have count 0, an all-zero bitmask row and contribute an empty CSR row.
+- K = min(max_num_kept, vocab_size, MAX_COMPACT_SUPPORT); token_ids[r, :min(counts[r], K)] are the first
+  support ids of row r; slots past that are undefined. counts[r] is the full support size, even when > K.
+- packed_mask bit j of byte b is token 8b+j (little bit order, np.packbits(bitorder="little")).
+
+Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where some row overflows K:
+- On the model runner's thread, `to_cpu_nonblocking()` makes a side copy stream wait for the current stream,
+  copies `token_ids` and `counts` (num_reqs x (K+1) int32, small) into pinned host memory on it and records a
+  CUDA event. It never copies `packed_mask` and never blocks the host.
+- The returned `SamplingMaskCopy` holds the host tensors, the event and a reference to the device
+  `packed_mask`. Its `tolists()`, meant for the async output thread, waits on the event only, reads the
+  counts, and when some row has count > K gathers *only those rows* of the device bitmask on the copy
+  stream and copies them (overflow_rows x ceil(V/8) bytes). Steps without overflow (the common case, since
+  top_k bounds the support except for boundary ties) copy no bitmask at all; the GPU's main stream is never
+  stalled, only the output thread waits for that small gather.
+- `to_cpu_nonblocking(copy_packed_mask=True)` copies the whole bitmask eagerly (upstream's behaviour).
+- On CPU tensors everything is already on the host: the copy is a no-op holding the same tensors.
+
+The pre-change path (`legacy_pack_sampling_mask` + `legacy_unpack_sampling_mask`, or both in
+`legacy_sampling_mask_lists`) packs isfinite() on the device, copies the full bitmask and unpacks it with
+np.unpackbits + np.nonzero over [num_reqs, V] on the host; the runner selects it with
+VLLM_SAMPLING_MASK_LEGACY_PATH, benchmarks compare against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from vllm.v1.outputs import SamplingMaskLists
+
+MAX_COMPACT_SUPPORT = 2048
+
+_BLOCK_SIZE = 1024
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@triton.jit
+def _compact_sampling_mask_kernel(
+    logits_ptr,  # [num_reqs, V] float
+    logits_stride,
+    num_sampled_ptr,  # [num_reqs] int32
+    token_ids_ptr,  # [num_reqs, K] int32
+    token_ids_stride,
+    packed_mask_ptr,  # [num_reqs, ceil(V/8)] uint8
+    packed_mask_stride,
+    counts_ptr,  # [num_reqs] int32
+    vocab_size,
+    num_bytes,
+    max_num_kept,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    # NOTE: rows that sampled nothing read nothing: their valid range is empty.
+    num_valid = tl.where(tl.load(num_sampled_ptr + row) > 0, vocab_size, 0)
+    count = tl.zeros((), dtype=tl.int32)
+    for start in range(0, vocab_size, BLOCK_SIZE):
+        offs = start + tl.arange(0, BLOCK_SIZE)
+        valid = offs < num_valid
+        x = tl.load(logits_ptr + row * logits_stride + offs, mask=valid, other=float("inf")).to(tl.float32)
+        # NOTE: |x| < inf is false for +inf, -inf and NaN alike.
+        keep = tl.abs(x) < float("inf")
+        flags = keep.to(tl.int32)
+        slots = count + tl.cumsum(flags, 0) - flags
+        tl.store(token_ids_ptr + row * token_ids_stride + slots, offs.to(tl.int32),
+                 mask=keep & (slots < max_num_kept))
+        bits = tl.reshape(flags, (BLOCK_SIZE // 8, 8)) << tl.arange(0, 8)[None, :]
+        packed = tl.sum(bits, axis=1).to(tl.uint8)
+        byte_offs = start // 8 + tl.arange(0, BLOCK_SIZE // 8)
+        tl.store(packed_mask_ptr + row * packed_mask_stride + byte_offs, packed, mask=byte_offs < num_bytes)
+        count += tl.sum(flags, axis=0)
+    tl.store(counts_ptr + row, count)
+
+
+def compact_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor,
+                          max_num_kept: int) -> SamplingMaskTensors:
+    """One pass over `logits` ([num_reqs, V], unit stride on V) -> SamplingMaskTensors on logits' device."""
+    num_reqs, vocab_size = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    num_kept = max(0, min(max_num_kept, vocab_size, MAX_COMPACT_SUPPORT))
+    num_bytes = (vocab_size + 7) // 8
+    device = logits.device
+    num_sampled = num_sampled.to(device=device, dtype=torch.int32)
+    token_ids = torch.empty((num_reqs, num_kept), dtype=torch.int32, device=device)  # [num_reqs, K]
+    packed_mask = torch.empty((num_reqs, num_bytes), dtype=torch.uint8, device=device)  # [num_reqs, ceil(V/8)]
+    counts = torch.empty((num_reqs,), dtype=torch.int32, device=device)  # [num_reqs]
+    if num_reqs == 0:
+        return SamplingMaskTensors(token_ids, packed_mask, counts, vocab_size)
+    if not logits.is_cuda and not triton.knobs.runtime.interpret:
+        _compact_sampling_mask_torch(logits, num_sampled, token_ids, packed_mask, counts)
+    else:
+        _compact_sampling_mask_kernel[(num_reqs,)](
+            logits, logits.stride(0), num_sampled, token_ids, max(token_ids.stride(0), 1), packed_mask,
+            packed_mask.stride(0), counts, vocab_size, num_bytes, num_kept, BLOCK_SIZE=_BLOCK_SIZE)
+    return SamplingMaskTensors(token_ids, packed_mask, counts, vocab_size)
+
+
+def _compact_sampling_mask_torch(logits: torch.Tensor, num_sampled: torch.Tensor, token_ids: torch.Tensor,
+                                 packed_mask: torch.Tensor, counts: torch.Tensor) -> None:
+    # NOTE: for CPU tensors outside the Triton interpreter (the CPU engine); same outputs as the kernel.
+    keep = torch.isfinite(logits) & (num_sampled > 0)[:, None]  # [num_reqs, V] bool
+    counts.copy_(keep.sum(-1))
+    rows, cols = keep.nonzero(as_tuple=True)
+    slots = (keep.cumsum(-1, dtype=torch.int32) - 1)[rows, cols]
+    inside = slots < token_ids.shape[1]
+    token_ids[rows[inside], slots[inside]] = cols[inside].to(torch.int32)
+    packed_mask.copy_(legacy_pack_sampling_mask(logits, num_sampled))
+
+
+class SamplingMaskTensors(NamedTuple):
+    # [num_reqs, K] int32: ascending support ids; slots >= counts[r] are undefined.
+    token_ids: torch.Tensor
+    # [num_reqs, ceil(V/8)] uint8: the support as a little-bit-order bitmask (exact for every row).
+    packed_mask: torch.Tensor
+    # [num_reqs] int32: full support size of each row.
+    counts: torch.Tensor
+    vocab_size: int
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, num_sampled: torch.Tensor | None,
+                    max_num_kept: int) -> SamplingMaskTensors:
+        """Support of each row of the processed `logits`; rows whose num_sampled is 0 are empty.
+
+        `num_sampled=None` means every row sampled. `max_num_kept` is the batch's largest top_k.
+        """
+        if num_sampled is None:
+            num_sampled = torch.ones(logits.shape[0], dtype=torch.int32, device=logits.device)
+        return compact_sampling_mask(logits, num_sampled, max_num_kept)
+
+    @property
+    def max_num_kept(self) -> int:
+        return self.token_ids.shape[1]
+
+    def to_cpu_nonblocking(self, copy_packed_mask: bool = False) -> SamplingMaskCopy:
+        """Start the device-to-host copy without blocking; see the module docstring for the protocol."""
+        if not self.counts.is_cuda:
+            return SamplingMaskCopy(self, None, None)
+        device = self.counts.device
+        stream = _copy_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            token_ids = _pinned_copy(self.token_ids)
+            counts = _pinned_copy(self.counts)
+            packed_mask = _pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
+            event = torch.cuda.Event()
+            event.record(stream)
+        # NOTE: the caller may drop the device tensors before the side-stream copies have run.
+        self.token_ids.record_stream(stream)
+        self.counts.record_stream(stream)
+        self.packed_mask.record_stream(stream)
+        return SamplingMaskCopy(SamplingMaskTensors(token_ids, packed_mask, counts, self.vocab_size), event,
+                                stream)
+
+    def tolists(self) -> SamplingMaskLists:
+        """CSR of the step (one row per request, offsets [num_reqs+1] int64); synchronous on device tensors."""
+        return _tolists(self, None)
+
+
+@dataclass(slots=True)
+class SamplingMaskCopy:
+    """A SamplingMaskTensors on its way to the host: `tensors` holds host token_ids/counts once `ready` fires;
+    its packed_mask stays on the device unless copied eagerly."""
+
+    tensors: SamplingMaskTensors
+    # Recorded on the copy stream after the host copies; None on CPU.
+    ready: torch.cuda.Event | None
+    stream: torch.cuda.Stream | None
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def tolists(self) -> SamplingMaskLists:
+        """Wait for the copy and build the CSR; gathers device bitmask rows only for overflow rows."""
+        self.wait()
+        return _tolists(self.tensors, self.stream)
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device=device)
+    return _copy_streams[device]
+
+
+def _pinned_copy(src: torch.Tensor) -> torch.Tensor:
+    dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
+    dst.copy_(src, non_blocking=True)
+    return dst
+
+
+def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
+                           stream: torch.cuda.Stream | None) -> np.ndarray:
+    if not packed_mask.is_cuda:
+        return packed_mask.numpy()[rows]
+    stream = stream or _copy_stream(packed_mask.device)
+    with torch.cuda.stream(stream):
+        index = torch.from_numpy(rows).to(packed_mask.device)
+        return packed_mask.index_select(0, index).cpu().numpy()
+
+
+def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None) -> SamplingMaskLists:
+    counts = mask.counts.cpu().numpy().astype(np.int64)  # [num_reqs]
+    token_ids = mask.token_ids.cpu().numpy()  # [num_reqs, K]
+    num_kept = token_ids.shape[1]
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)  # [num_reqs + 1]
+    np.cumsum(counts, out=offsets[1:])
+    overflow = counts > num_kept  # [num_reqs] bool
+    compact_cols = np.arange(num_kept)[None, :] < np.where(overflow, 0, counts)[:, None]  # [num_reqs, K]
+    if not overflow.any():
+        return SamplingMaskLists(token_ids[compact_cols].astype(np.int32, copy=False), offsets, None)
+    out = np.empty(int(offsets[-1]), dtype=np.int32)
+    out[np.repeat(~overflow, counts)] = token_ids[compact_cols]
+    rows = np.flatnonzero(overflow)
+    packed = _overflow_bitmask_rows(mask.packed_mask, rows, stream)  # [num_overflow, ceil(V/8)] uint8
+    bits = np.unpackbits(packed, axis=1, count=mask.vocab_size, bitorder="little")
+    out[np.repeat(overflow, counts)] = np.nonzero(bits)[1]
+    return SamplingMaskLists(out, offsets, None)
+
+
+def legacy_pack_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor | None) -> torch.Tensor:
+    """Pre-change device half: isfinite(logits) packed to [num_reqs, ceil(V/8)] uint8 (little bit order)."""
+    num_reqs, vocab_size = logits.shape
+    keep = torch.isfinite(logits)  # [num_reqs, V] bool
+    if num_sampled is not None:
+        keep &= (num_sampled.to(logits.device) > 0)[:, None]
+    pad = (-vocab_size) % 8
+    if pad:
+        keep = torch.nn.functional.pad(keep, (0, pad))
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=logits.device)
+    return (keep.view(num_reqs, -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def legacy_unpack_sampling_mask(packed_mask: np.ndarray, vocab_size: int) -> SamplingMaskLists:
+    """Pre-change host half: np.unpackbits + np.nonzero over the whole [num_reqs, V] bitmask."""
+    bits = np.unpackbits(packed_mask, axis=1, count=vocab_size, bitorder="little")  # [num_reqs, V] uint8
+    rows, cols = np.nonzero(bits)
+    offsets = np.zeros(packed_mask.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=packed_mask.shape[0]), out=offsets[1:])
+    return SamplingMaskLists(cols.astype(np.int32), offsets, None)
+
+
+def legacy_sampling_mask_lists(logits: torch.Tensor, num_sampled: torch.Tensor | None) -> SamplingMaskLists:
+    """The whole pre-change path, synchronously: pack on the device, copy the full bitmask, unpack on host."""
+    packed = legacy_pack_sampling_mask(logits, num_sampled)
+    return legacy_unpack_sampling_mask(packed.cpu().numpy(), logits.shape[1])
