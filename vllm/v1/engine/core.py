@@ -37,7 +37,8 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_unfinished_requests():
+        # NOTE: a step with only finished ids still runs, so the runner drops aborted requests' rows.
+        if not self.scheduler.has_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         model_output = self.worker.execute_model(scheduler_output)

@@ -26,7 +26,7 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.ops.logprobs import gather_logprobs
 from vllm.v1.sample.ops.sample import random_sample
 from vllm.v1.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
-from vllm.v1.sample.sampling_mask import SamplingMaskTensors
+from vllm.v1.sample.sampling_mask import LegacySamplingMask, SamplingMaskTensors
 
 _SAMPLING_EPS = 1e-5
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -37,13 +37,15 @@ class SamplerOutput:
     # [num_reqs] int64
     sampled_token_ids: torch.Tensor
     logprobs_tensors: LogprobsTensors | None
-    sampling_mask: SamplingMaskTensors | None = None
+    sampling_mask: SamplingMaskTensors | LegacySamplingMask | None = None
 
 
 class Sampler(nn.Module):
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(self, logprobs_mode: str = "raw_logprobs", legacy_sampling_mask: bool = False) -> None:
         super().__init__()
+        # Benchmarks only: produce the pre-change full bitmask instead of the compacted mask.
+        self.legacy_sampling_mask = legacy_sampling_mask
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
@@ -86,7 +88,10 @@ class Sampler(nn.Module):
         sampling_mask = None
         if md.sampling_mask_rows is not None:
             assert processed is not None
-            sampling_mask = SamplingMaskTensors.from_logits(processed, md.sampling_mask_rows, md.max_top_k)
+            if self.legacy_sampling_mask:
+                sampling_mask = LegacySamplingMask.from_logits(processed, md.sampling_mask_rows)
+            else:
+                sampling_mask = SamplingMaskTensors.from_logits(processed, md.sampling_mask_rows, md.max_top_k)
         return SamplerOutput(sampled, logprobs_tensors, sampling_mask)
 
     @staticmethod

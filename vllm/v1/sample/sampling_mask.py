@@ -258,3 +258,22 @@ def legacy_sampling_mask_lists(logits: torch.Tensor, num_sampled: torch.Tensor |
     """The whole pre-change path, synchronously: pack on the device, copy the full bitmask, unpack on host."""
     packed = legacy_pack_sampling_mask(logits, num_sampled)
     return legacy_unpack_sampling_mask(packed.cpu().numpy(), logits.shape[1])
+
+
+class LegacySamplingMask(NamedTuple):
+    """The pre-change path as the sampler's mask output (benchmarks only): the full bitmask stays on the
+    device until `to_cpu_nonblocking().tolists()` copies all of it and unpacks it on the host."""
+
+    # [num_reqs, ceil(V/8)] uint8
+    packed_mask: torch.Tensor
+    vocab_size: int
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, num_sampled: torch.Tensor | None) -> LegacySamplingMask:
+        return cls(legacy_pack_sampling_mask(logits, num_sampled), logits.shape[1])
+
+    def to_cpu_nonblocking(self) -> LegacySamplingMask:
+        return self
+
+    def tolists(self) -> SamplingMaskLists:
+        return legacy_unpack_sampling_mask(self.packed_mask.cpu().numpy(), self.vocab_size)

@@ -40,13 +40,12 @@ class ModelRunner:
         self.num_kv_heads = mc.num_kv_heads
         self.head_size = mc.head_size
         self.return_sampling_mask = mc.return_sampling_mask
-        self.legacy_mask_path = envs.VLLM_SAMPLING_MASK_LEGACY_PATH
 
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, self.device, self.dtype)
         self.attn_backend = get_attn_backend(self.device)
         set_attn_backend(self.model, self.attn_backend)
-        self.sampler = Sampler(mc.logprobs_mode)
+        self.sampler = Sampler(mc.logprobs_mode, legacy_sampling_mask=envs.VLLM_SAMPLING_MASK_LEGACY_PATH)
         self.max_num_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req,
                                       self.vocab_size, self.device, self.return_sampling_mask)
@@ -169,15 +168,9 @@ class ModelRunner:
         logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
         masks: SamplingMaskLists | None = None
         if out.sampling_mask is not None:
-            masks = self._sampling_mask_lists(out.sampling_mask)
+            masks = out.sampling_mask.to_cpu_nonblocking().tolists()
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs, sampling_masks=masks)
-
-    def _sampling_mask_lists(self, mask_tensors) -> SamplingMaskLists:  # noqa: ANN001
-        if self.legacy_mask_path:
-            from vllm.v1.sample.sampling_mask import legacy_sampling_mask_lists
-            return legacy_sampling_mask_lists(mask_tensors)
-        return mask_tensors.to_cpu_nonblocking().tolists()
 
     def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str], samples: np.ndarray) -> SamplingMetadata:
         batch = self.input_batch

@@ -15,8 +15,8 @@ from vllm.sampling_params import SamplingParams
 @dataclass(slots=True)
 class NewRequestData:
     req_id: str
-    # Prompt plus any output tokens generated before a preemption (recomputed like a prompt).
     prompt_token_ids: list[int]
+    # Output tokens generated before a preemption (recomputed like the prompt); empty for a new request.
     output_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]

@@ -1,0 +1,100 @@
+"""update_from_output routes each request its own logprobs and sampling-mask rows (hand-built CSR, numpy).
+
+The step's ModelRunnerOutput rows are deliberately in a different order from the scheduler's, and one row is
+a chunked-prefill piece that sampled nothing (an empty mask row).
+"""
+
+from collections.abc import Callable
+
+import numpy as np
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
+from vllm.v1.request import Request
+
+
+def logprobs_for(rows: int) -> LogprobsLists:
+    ids = np.arange(rows * 2, dtype=np.int32).reshape(rows, 2) + 1000
+    return LogprobsLists(ids, -ids.astype(np.float32) / 1000, np.arange(1, rows + 1, dtype=np.int32))
+
+
+def test_three_requests_each_receive_their_own_mask_row(make_scheduler: Callable[..., Scheduler],
+                                                         request_factory: Callable[..., Request]) -> None:
+    sched = make_scheduler(max_num_batched_tokens=24)
+    for rid in "abc":
+        sched.add_request(request_factory(rid, 4, logprobs=1, top_k=3))
+    # e opts out of masks and asks no logprobs; d's 30-token prompt only gets a chunk this step.
+    sched.add_request(request_factory("e", 4, top_k=3, return_sampling_mask=False))
+    sched.add_request(request_factory("d", 30, logprobs=1, top_k=3))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 4, "b": 4, "c": 4, "e": 4, "d": 8}
+
+    req_ids = ["c", "d", "a", "e", "b"]
+    sampled = {"c": [7], "d": [], "a": [5], "e": [11], "b": [6]}
+    rows = {"c": [1, 7, 9], "d": [], "a": [0, 5], "e": [11, 12], "b": [2, 3, 6, 8]}  # b: a top-k tie, 4 > 3
+    offsets = np.cumsum([0] + [len(rows[r]) for r in req_ids]).astype(np.int64)
+    masks = SamplingMaskLists(np.array([t for r in req_ids for t in rows[r]], dtype=np.int32), offsets, None)
+    logprobs = logprobs_for(len(req_ids))
+    runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                      sampled_token_ids=[sampled[r] for r in req_ids], logprobs=logprobs,
+                                      sampling_masks=masks)
+    outs = sched.update_from_output(out, runner_output)
+
+    by_id = {o.request_id: o for o in outs.outputs}
+    assert set(by_id) == {"a", "b", "c", "e"}  # d sampled nothing
+    for rid in "abc":
+        o = by_id[rid]
+        row = req_ids.index(rid)
+        assert o.new_token_ids == sampled[rid]
+        assert o.new_sampling_mask.offsets is None
+        assert o.new_sampling_mask.token_ids.dtype == np.int32
+        assert o.new_sampling_mask.token_ids.tolist() == rows[rid]
+        assert sampled[rid][0] in o.new_sampling_mask.to_nested_list()[0]
+        np.testing.assert_array_equal(o.new_logprobs.logprob_token_ids, logprobs.logprob_token_ids[row:row + 1])
+        np.testing.assert_array_equal(o.new_logprobs.logprobs, logprobs.logprobs[row:row + 1])
+        assert o.new_logprobs.sampled_token_ranks.tolist() == [row + 1]
+        assert o.finish_reason is None and o.num_cached_tokens == 0
+    assert by_id["e"].new_sampling_mask is None and by_id["e"].new_logprobs is None
+    stats = outs.scheduler_stats
+    assert stats is not None
+    assert stats.sampling_mask_sizes == [2, 4, 3]  # a, b, c in scheduling order
+    assert stats.num_sampling_mask_overflow_rows == 1
+    assert stats.num_running_reqs == 5 and stats.num_waiting_reqs == 0
+
+
+def test_multi_token_step_slices_positions_and_cuts_at_stop(make_scheduler: Callable[..., Scheduler],
+                                                            request_factory: Callable[..., Request]) -> None:
+    sched = make_scheduler()
+    sched.add_request(request_factory("a", 3, logprobs=0, top_k=2))
+    sched.add_request(request_factory("b", 3, logprobs=0, top_k=2, eos_token_id=2))
+    out = sched.schedule()
+    # Positions: a owns 0-1, b owns 2-4; b hits EOS at its 2nd token, so its 3rd is dropped with its mask.
+    cu = [0, 2, 5]
+    masks = SamplingMaskLists(np.array([1, 5, 6, 7, 2, 4, 9, 10], dtype=np.int32),
+                              np.array([0, 2, 3, 4, 6, 8], dtype=np.int64), cu)
+    logprobs = logprobs_for(5)._replace(cu_num_generated_tokens=cu)
+    runner_output = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1},
+                                      sampled_token_ids=[[5, 6], [7, 2, 9]], logprobs=logprobs, sampling_masks=masks)
+    outs = sched.update_from_output(out, runner_output)
+    a, b = outs.outputs
+    assert a.new_token_ids == [5, 6] and a.new_sampling_mask.to_nested_list() == [[1, 5], [6]]
+    assert b.new_token_ids == [7, 2] and b.new_sampling_mask.to_nested_list() == [[7], [2, 4]]
+    assert b.finish_reason == FinishReason.STOP
+    assert b.new_logprobs.sampled_token_ranks.tolist() == [3, 4]
+    assert outs.scheduler_stats.sampling_mask_sizes == [2, 1, 1, 2]
+    assert outs.scheduler_stats.num_sampling_mask_overflow_rows == 0
+    assert [r.request_id for r in sched.running] == ["a"]
+    assert sched.schedule().finished_req_ids == {"b"}
+
+
+def test_no_masks_or_logprobs_when_runner_has_none(make_scheduler: Callable[..., Scheduler],
+                                                   request_factory: Callable[..., Request]) -> None:
+    sched = make_scheduler()
+    sched.add_request(request_factory("a", 3, logprobs=2, top_k=2))
+    out = sched.schedule()
+    outs = sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": 0}, [[4]]))
+    (o,) = outs.outputs
+    assert o.new_token_ids == [4] and o.new_logprobs is None and o.new_sampling_mask is None
+    assert outs.scheduler_stats.sampling_mask_sizes == []
+    assert 0.0 < outs.scheduler_stats.kv_cache_usage < 1.0
