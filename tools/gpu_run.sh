@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything this project runs on the GPU machine, in one call: CUDA tests, kernel benchmarks, backend check,
+# offline throughput. Results land in $OUT (the device tool's output folder) or ./out.
+#   device run: bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+stages=${*:-"info tests backend mask attn throughput"}
+for s in $stages; do
+  echo "=== $s $(date +%T)"
+  case $s in
+    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/v1/attention tests/v1/sample tests/models 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
+    backend) python3 tools/gpu_backend_check.py 2>&1 | grep -v Warning | tee "$OUT/backend_check.txt" ;;
+    mask) python3 benchmarks/kernels/benchmark_sampling_mask.py --out "$OUT/mask_bench.json" 2>&1 | tee "$OUT/mask_bench.txt" ;;
+    attn) python3 benchmarks/kernels/benchmark_attention.py --batch-sizes 64 256 512 --context 384 2>&1 | tee "$OUT/attn_bench.txt" ;;
+    throughput) python3 benchmarks/benchmark_throughput.py --model benchmarks/configs/qwen2.5-1.5b-instruct \
+        --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
+        --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
+        --json-out "$OUT/throughput.json" 2>&1 | grep -v Warning | tee "$OUT/throughput.txt" ;;
+  esac
+done
