@@ -1,0 +1,1 @@
+"""Triton kernels behind the Triton attention backend: the paged KV-cache write and unified varlen attention."""
