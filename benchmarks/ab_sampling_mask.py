@@ -1,0 +1,285 @@
+"""Serving A/B of the sampling mask: "no mask", "mask" and "pre-change mask path" side by side in one run.
+
+For each arm, starts `vllm serve MODEL --load-format dummy --skip-tokenizer-init --max-num-seqs 1024
+--logprobs-mode processed_logprobs [--return-sampling-mask]` on a free port (arm pre-change: the mask with
+VLLM_SAMPLING_MASK_LEGACY_PATH=1), waits for /health, runs benchmarks/benchmark_serving.py's load at each
+concurrency, and stops the server. Writes ab_sampling_mask.{json,md,png} and server_<arm>.log into --out-dir.
+
+One command on the GPU machine (the server stack's wheels in /tmp/site):
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/ab_sampling_mask.py --out-dir out/ab
+
+Invariants:
+- A server that fails to start (or dies) is recorded with the tail of its log and the next arm still runs.
+- The server's whole process group (API server and engine core) is gone before the next arm starts.
+- --budget-s bounds the whole run: each arm gets an equal share of the time left when it starts, spread over
+  its levels through benchmark_serving's --level-timeout (a level cut short still reports tokens/s so far).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchmark_serving  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {}),
+        "pre-change": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"})}
+# NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.
+STARTUP_ESTIMATE_S = 60.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL what is left after 20 s, and wait until the group is empty."""
+    pgid = proc.pid
+    for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            proc.poll()
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                proc.poll()
+                return
+            time.sleep(0.2)
+    proc.poll()
+
+
+def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -> subprocess.Popen:
+    flags, env_extra = ARMS[arm]
+    model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--skip-tokenizer-init", "--max-num-seqs", str(args.max_num_seqs),
+           "--max-model-len", str(args.max_model_len or args.input_len + args.output_len + 64),
+           "--logprobs-mode", "processed_logprobs", "--uvicorn-log-level", "warning", *flags]
+    if args.load_format:
+        cmd += ["--load-format", args.load_format]
+    if args.device:
+        cmd += ["--device", args.device]
+    cmd += shlex.split(args.server_args)
+    env = dict(os.environ)
+    env.pop("VLLM_SAMPLING_MASK_LEGACY_PATH", None)
+    env.update(env_extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    log(f"{arm}: " + shlex.join([f"{k}={v}" for k, v in env_extra.items()] + ["python3", *cmd[1:]]))
+    with open(log_path, "w") as f:
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with status {proc.returncode} during startup")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"vllm serve was not healthy after {timeout_s:.0f}s")
+
+
+def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeout: float) -> argparse.Namespace:
+    argv = ["--base-url", url, "--concurrency", str(concurrency), "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len), "--temperature", str(args.temperature), "--top-p",
+            str(args.top_p), "--top-k", str(args.top_k), "--logprobs", str(args.logprobs),
+            "--num-prompts", str(max(args.min_num_prompts, round(concurrency * args.num_prompts_per_concurrency))),
+            "--level-timeout", f"{level_timeout:.1f}", "--seed", str(args.seed)]
+    if args.num_client_procs:
+        argv += ["--num-client-procs", str(args.num_client_procs)]
+    return benchmark_serving.make_parser().parse_args(argv)
+
+
+def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float) -> dict[str, Any]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(args.out_dir, f"server_{arm}.log")
+    result: dict[str, Any] = {"arm": arm, "error": None, "levels": [], "server_log": log_path}
+    t0 = time.monotonic()
+    proc = start_server(args, arm, port, log_path)
+    try:
+        wait_healthy(proc, url, min(args.timeout, max(10.0, arm_deadline - time.monotonic())))
+        result["startup_s"] = time.monotonic() - t0
+        log(f"{arm}: healthy after {result['startup_s']:.0f}s")
+        for i, concurrency in enumerate(args.concurrencies):
+            level_timeout = min(args.level_timeout,
+                                (arm_deadline - time.monotonic()) / (len(args.concurrencies) - i))
+            if level_timeout < 5.0:
+                log(f"{arm}: c={concurrency} skipped, out of time (--budget-s)")
+                result["levels"].append({"concurrency": concurrency, "skipped": "out of time"})
+                continue
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with status {proc.returncode}")
+            results = benchmark_serving.run_benchmark(load_args(args, url, concurrency, level_timeout),
+                                                      log=lambda m: log(f"{arm}: {m}"))
+            result["levels"] += results
+    except Exception as e:  # noqa: BLE001 - recorded; the next arm still runs
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["log_tail"] = tail(log_path)
+        log(f"{arm}: FAILED: {result['error']}\n{result['log_tail']}")
+    finally:
+        stop_server(proc)
+        log(f"{arm}: server stopped ({time.monotonic() - t0:.0f}s for the arm)")
+    return result
+
+
+def _level(arm: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
+    for level in arm["levels"]:
+        if level.get("concurrency") == concurrency and "output_throughput" in level:
+            return level
+    return None
+
+
+def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> str:
+    if num is None or den is None or not den["output_throughput"]:
+        return "-"
+    return f"{num['output_throughput'] / den['output_throughput']:.3f}"
+
+
+def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
+    names = [a["arm"] for a in arms]
+    by_name = {a["arm"]: a for a in arms}
+    lines = ["Output tokens/s (TTFT median ms / TPOT median ms); * = cut at the level timeout", "",
+             "| concurrency | " + " | ".join(names) + " | mask / no-mask | pre-change / no-mask |",
+             "|---:|" + "---:|" * len(names) + "---:|---:|"]
+    for c in concurrencies:
+        cells = []
+        for a in arms:
+            lv = _level(a, c)
+            if lv is None:
+                cells.append("failed" if a["error"] else "-")
+                continue
+            flag = "*" if lv["truncated"] else ""
+            bad = "" if lv["masks_ok"] in (None, True) else " MASKS BAD"
+            ttft = benchmark_serving._fmt(lv["ttft_ms_median"], 0)
+            tpot = benchmark_serving._fmt(lv["tpot_ms_median"], 1)
+            cells.append(f"{lv['output_throughput']:.0f}{flag} ({ttft} / {tpot}){bad}")
+        no_mask = _level(by_name["no-mask"], c) if "no-mask" in by_name else None
+        mask = _level(by_name["mask"], c) if "mask" in by_name else None
+        pre = _level(by_name["pre-change"], c) if "pre-change" in by_name else None
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {_ratio(mask, no_mask)} | {_ratio(pre, no_mask)} |")
+    for a in arms:
+        if a["error"]:
+            lines.append(f"\n{a['arm']} failed: {a['error']}")
+    return "\n".join(lines)
+
+
+def plot(arms: list[dict[str, Any]], concurrencies: list[int], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for a in arms:
+        points = [(lv["concurrency"], lv["output_throughput"]) for lv in a["levels"] if "output_throughput" in lv]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=a["arm"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=os.path.join(REPO_ROOT, "benchmarks", "configs", "qwen2.5-1.5b-instruct"))
+    parser.add_argument("--load-format", default="dummy", help="Passed to vllm serve; '' for the default.")
+    parser.add_argument("--device", default=None, help="Passed to vllm serve (e.g. cpu for a dry run).")
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=None, help="Default: input + output + 64.")
+    parser.add_argument("--server-args", default="", help="Extra vllm serve flags, one shell-quoted string.")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--concurrencies", type=int, nargs="+", default=[64, 256, 512, 1024])
+    parser.add_argument("--num-prompts-per-concurrency", type=float, default=1.0)
+    parser.add_argument("--min-num-prompts", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--top-k", type=int, default=512)
+    parser.add_argument("--logprobs", type=int, default=1)
+    parser.add_argument("--num-client-procs", type=int, default=0, help="0: benchmark_serving's default.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=240.0, help="Seconds to wait for a server's /health.")
+    parser.add_argument("--level-timeout", type=float, default=90.0, help="Most seconds per concurrency level.")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="Wall-time budget of the whole A/B.")
+    parser.add_argument("--out-dir", default="out/ab")
+    return parser
+
+
+def main() -> None:
+    parser = make_parser()
+    args = parser.parse_args()
+    if min(args.concurrencies) < 1 or args.num_prompts_per_concurrency <= 0 or args.budget_s <= 0:
+        parser.error("--concurrencies, --num-prompts-per-concurrency and --budget-s must be positive.")
+    os.makedirs(args.out_dir, exist_ok=True)
+    benchmark_serving.raise_open_files_limit()
+    deadline = time.monotonic() + args.budget_s
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    arms: list[dict[str, Any]] = []
+    for i, arm in enumerate(args.arms):
+        share = (deadline - time.monotonic()) / (len(args.arms) - i)
+        log(f"=== arm {arm} ({share:.0f}s of the budget)")
+        arms.append(run_arm(args, arm, time.monotonic() + share))
+    title = (f"{os.path.basename(args.model.rstrip('/'))}, in {args.input_len} / out {args.output_len}, "
+             f"T={args.temperature} top_p={args.top_p} top_k={args.top_k} logprobs={args.logprobs}")
+    table = markdown(arms, args.concurrencies)
+    with open(os.path.join(args.out_dir, "ab_sampling_mask.json"), "w") as f:
+        json.dump({"args": vars(args), "arms": arms}, f, indent=2)
+    with open(os.path.join(args.out_dir, "ab_sampling_mask.md"), "w") as f:
+        f.write(f"# Sampling-mask serving A/B\n\n{title}\n\n{table}\n")
+    written = "json,md"
+    try:
+        plot(arms, args.concurrencies, os.path.join(args.out_dir, "ab_sampling_mask.png"), title)
+        written += ",png"
+    except Exception as e:  # noqa: BLE001 - the table and JSON are already written
+        log(f"plot failed: {type(e).__name__}: {e}")
+    print(table, flush=True)
+    log(f"wrote {args.out_dir}/ab_sampling_mask.{{{written}}}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""HTTP load generator for `vllm serve`: streamed /v1/completions of random token-id prompts, fixed output length.
+
+For each concurrency in --concurrency, sends --num-prompts requests (default: max(concurrency, 128)) while keeping
+`concurrency` of them in flight, optionally spread over several client processes so that the client is never the
+bottleneck. Reports per concurrency: output tokens/s, requests/s, TTFT and TPOT (median, p99), the wall time, and,
+when the server returns sampling masks, whether every request received exactly one mask per generated token.
+
+Example:
+    python benchmarks/benchmark_serving.py --base-url http://127.0.0.1:8000 --concurrency 64 256 \
+        --input-len 128 --output-len 256 --temperature 1 --top-p 0.95 --top-k 512 --logprobs 1 --json-out out.json
+
+Invariants:
+- A request's output token count is the `usage.completion_tokens` of its final stream chunk (stream_options
+  include_usage); the per-chunk count (token_ids, logprobs tokens or masks) is used for requests cut short by
+  --level-timeout and is cross-checked against usage otherwise.
+- Throughput = output tokens received (including those of requests cut short) / wall time of the level.
+- All timestamps are `time.time()` so records from several client processes share one clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+
+@dataclass
+class RequestRecord:
+    start: float = 0.0
+    first_token: float | None = None
+    end: float | None = None
+    chunk_tokens: int = 0
+    usage_tokens: int | None = None
+    masks: int = 0
+    mask_ids: int = 0
+    has_mask: bool = False
+    error: str | None = None
+
+
+@dataclass
+class LevelSpec:
+    """One client process's share of a level: its prompts, payload fields and timing."""
+
+    url: str
+    payload: dict[str, Any]
+    prompts: list[list[int]]
+    concurrency: int
+    start_at: float
+    deadline: float
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def chunk_token_count(choice: dict[str, Any]) -> int:
+    """Tokens carried by one streamed choice, from the most explicit field present."""
+    if choice.get("token_ids") is not None:
+        return len(choice["token_ids"])
+    logprobs = choice.get("logprobs")
+    if logprobs is not None and logprobs.get("tokens") is not None:
+        return len(logprobs["tokens"])
+    if choice.get("sampling_mask") is not None:
+        return len(choice["sampling_mask"])
+    return 1 if choice.get("text") else 0
+
+
+async def _stream_one(client: httpx.AsyncClient, spec: LevelSpec, prompt: list[int], rec: RequestRecord) -> None:
+    payload = dict(spec.payload)
+    payload["prompt"] = prompt
+    rec.start = time.time()
+    async with client.stream("POST", spec.url, json=payload, headers=spec.headers) as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode(errors="replace")
+            rec.error = f"HTTP {resp.status_code}: {body[:300]}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                rec.error = f"stream error: {str(obj['error'])[:300]}"
+                return
+            for choice in obj.get("choices") or []:
+                if rec.first_token is None:
+                    rec.first_token = time.time()
+                rec.chunk_tokens += chunk_token_count(choice)
+                masks = choice.get("sampling_mask")
+                if masks is not None:
+                    rec.has_mask = True
+                    rec.masks += len(masks)
+                    rec.mask_ids += sum(len(m) for m in masks)
+            usage = obj.get("usage")
+            if usage:
+                rec.usage_tokens = int(usage.get("completion_tokens", 0))
+    rec.end = time.time()
+
+
+async def _run_share(spec: LevelSpec) -> list[RequestRecord]:
+    records = [RequestRecord() for _ in spec.prompts]
+    next_index = 0
+    limits = httpx.Limits(max_connections=spec.concurrency + 8, max_keepalive_connections=spec.concurrency + 8)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, trust_env=False) as client:
+        async def worker() -> None:
+            nonlocal next_index
+            while next_index < len(spec.prompts):
+                i = next_index
+                next_index += 1
+                try:
+                    await _stream_one(client, spec, spec.prompts[i], records[i])
+                except asyncio.CancelledError:
+                    records[i].error = "timeout"
+                    raise
+                except Exception as e:  # noqa: BLE001 - recorded per request, the level goes on
+                    records[i].error = f"{type(e).__name__}: {e}"[:300]
+                finally:
+                    if records[i].end is None:
+                        records[i].end = time.time()
+
+        await asyncio.sleep(max(0.0, spec.start_at - time.time()))
+        tasks = [asyncio.create_task(worker()) for _ in range(min(spec.concurrency, len(spec.prompts)))]
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, spec.deadline - time.time()))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return records
+
+
+def _run_share_sync(spec: LevelSpec) -> list[dict[str, Any]]:
+    return [asdict(r) for r in asyncio.run(_run_share(spec))]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values), q)) if values else None
+
+
+def summarize(records: list[RequestRecord], start: float, end: float, concurrency: int,
+              input_len: int) -> dict[str, Any]:
+    """Aggregate one level's request records into the reported metrics (times in ms, rates per second)."""
+    done = [r for r in records if r.error is None and r.end is not None]
+    started = [r for r in records if r.start > 0]
+    truncated = any(r.error == "timeout" for r in records)
+    duration = max(end - start, 1e-9)
+
+    def out_tokens(r: RequestRecord) -> int:
+        return r.usage_tokens if r.usage_tokens is not None else r.chunk_tokens
+
+    total_out = sum(out_tokens(r) for r in done) + sum(r.chunk_tokens for r in records if r.error == "timeout")
+    ttfts = [(r.first_token - r.start) * 1e3 for r in started if r.first_token is not None]
+    tpots = [(r.end - r.first_token) * 1e3 / (out_tokens(r) - 1) for r in done
+             if r.first_token is not None and out_tokens(r) > 1]
+    e2e = [(r.end - r.start) * 1e3 for r in done]
+    counted = [r for r in done if r.usage_tokens is not None and r.chunk_tokens > 0]
+    mask_reqs = [r for r in done if r.has_mask]
+    errors = [r.error for r in records if r.error is not None and r.error != "timeout"]
+    return {
+        "concurrency": concurrency, "num_prompts": len(records), "completed": len(done),
+        "failed": len(errors), "timed_out": sum(r.error == "timeout" for r in records),
+        "not_started": len(records) - len(started), "truncated": truncated, "duration_s": duration,
+        "output_tokens": total_out, "output_throughput": total_out / duration,
+        "request_throughput": len(done) / duration,
+        "total_token_throughput": (total_out + input_len * len(done)) / duration,
+        "ttft_ms_median": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
+        "ttft_ms_mean": float(np.mean(ttfts)) if ttfts else None,
+        "tpot_ms_median": percentile(tpots, 50), "tpot_ms_p99": percentile(tpots, 99),
+        "tpot_ms_mean": float(np.mean(tpots)) if tpots else None,
+        "e2e_ms_median": percentile(e2e, 50), "e2e_ms_p99": percentile(e2e, 99),
+        "token_count_mismatches": sum(r.usage_tokens != r.chunk_tokens for r in counted),
+        "mask_requests": len(mask_reqs), "masks_received": sum(r.masks for r in mask_reqs),
+        "mask_count_mismatches": sum(r.masks != out_tokens(r) for r in mask_reqs),
+        "mean_mask_size": (sum(r.mask_ids for r in mask_reqs) / max(1, sum(r.masks for r in mask_reqs))
+                           if mask_reqs else None),
+        "masks_ok": (len(mask_reqs) == len(done) and all(r.masks == out_tokens(r) for r in mask_reqs))
+        if mask_reqs else None,
+        "errors_sample": errors[:3],
+    }
+
+
+def run_level(url: str, payload: dict[str, Any], prompts: list[list[int]], concurrency: int, num_procs: int,
+              timeout_s: float, headers: dict[str, str] | None = None
+              ) -> tuple[list[RequestRecord], float, float]:
+    """Send `prompts` with `concurrency` in flight over `num_procs` client processes; returns records, start, end."""
+    num_procs = max(1, min(num_procs, concurrency, len(prompts)))
+    if num_procs == 1:
+        start = time.time()
+        spec = LevelSpec(url, payload, prompts, concurrency, start, start + timeout_s, headers or {})
+        records = asyncio.run(_run_share(spec))
+    else:
+        # NOTE: spawned workers import httpx first; start_at gives them a common start once all are ready.
+        start = time.time() + 2.0
+        specs = [LevelSpec(url, payload, prompts[p::num_procs], len(range(p, concurrency, num_procs)), start,
+                           start + timeout_s, headers or {}) for p in range(num_procs)]
+        with multiprocessing.get_context("spawn").Pool(num_procs) as pool:
+            shares = pool.map(_run_share_sync, specs)
+        records = [RequestRecord(**d) for share in shares for d in share]
+    deadline = start + timeout_s
+    # NOTE: a late client process only delays the first request; the level starts when the load does.
+    start = min((r.start for r in records if r.start > 0), default=start)
+    end = min(max((r.end for r in records if r.end is not None), default=start), deadline)
+    return records, start, end
+
+
+def raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one: a thousand streams need a thousand sockets."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def resolve_model(base_url: str, headers: dict[str, str]) -> tuple[str, str | None]:
+    """The served model name and its root path from GET /v1/models."""
+    resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30, trust_env=False)
+    resp.raise_for_status()
+    card = resp.json()["data"][0]
+    return card["id"], card.get("root")
+
+
+def vocab_size_from(root: str | None) -> int | None:
+    """vocab_size from a local config.json (the server runs on this machine), else None."""
+    if not root or not os.path.isfile(os.path.join(root, "config.json")):
+        return None
+    with open(os.path.join(root, "config.json")) as f:
+        config = json.load(f)
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if vocab else None
+
+
+def default_num_procs(concurrency: int) -> int:
+    return max(1, min((os.cpu_count() or 1) // 4, math.ceil(concurrency / 128)))
+
+
+def build_payload(args: argparse.Namespace, model: str, max_tokens: int) -> dict[str, Any]:
+    payload: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                               "stream_options": {"include_usage": True}, "temperature": args.temperature,
+                               "top_p": args.top_p}
+    if args.top_k is not None:
+        payload["top_k"] = args.top_k
+    if args.logprobs is not None:
+        payload["logprobs"] = args.logprobs
+    payload.update(json.loads(args.extra_body) if args.extra_body else {})
+    return payload
+
+
+def run_benchmark(args: argparse.Namespace, log: Any = print) -> list[dict[str, Any]]:
+    """All levels of one server; `args` as parsed by `make_parser()`. Returns one summary dict per concurrency."""
+    base_url = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model, root = resolve_model(base_url, headers)
+    vocab = args.vocab_size or vocab_size_from(root)
+    if vocab is None:
+        raise ValueError("Cannot tell the vocabulary size from /v1/models: pass --vocab-size.")
+    rng = np.random.default_rng(args.seed)
+    url = f"{base_url}/v1/completions"
+    results: list[dict[str, Any]] = []
+    for concurrency in args.concurrency:
+        num_prompts = args.num_prompts or max(concurrency, 128)
+        num_procs = args.num_client_procs or default_num_procs(concurrency)
+        level_timeout = args.level_timeout
+        if args.num_warmups != 0:
+            num_warm = concurrency if args.num_warmups < 0 else args.num_warmups
+            warm = rng.integers(0, vocab, (num_warm, args.input_len)).tolist()
+            t0 = time.time()
+            records, _, _ = run_level(url, build_payload(args, model, args.warmup_output_len), warm,
+                                      min(concurrency, num_warm), num_procs, level_timeout or 1e9, headers)
+            bad = [r.error for r in records if r.error is not None]
+            log(f"warmup c={concurrency}: {num_warm} requests in {time.time() - t0:.1f}s"
+                + (f", {len(bad)} failed: {bad[0]}" if bad else ""))
+            if level_timeout is not None:
+                level_timeout = max(1.0, level_timeout - (time.time() - t0))
+        prompts = rng.integers(0, vocab, (num_prompts, args.input_len)).tolist()
+        records, start, end = run_level(url, build_payload(args, model, args.output_len), prompts,
+                                        concurrency, num_procs, level_timeout or 1e9, headers)
+        summary = summarize(records, start, end, concurrency, args.input_len)
+        truncated = summary["truncated"]
+        summary["client_procs"] = num_procs
+        results.append(summary)
+        log(f"c={concurrency}: {summary['output_throughput']:.0f} out tok/s, {summary['completed']}/{num_prompts}"
+            f" done in {summary['duration_s']:.1f}s" + (" (cut at --level-timeout)" if truncated else "")
+            + (f", {summary['failed']} failed: {summary['errors_sample'][0]}" if summary["failed"] else ""))
+    return results
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    lines = ["| concurrency | requests | duration (s) | output tok/s | req/s | TTFT med (ms) | TTFT p99 (ms) "
+             "| TPOT med (ms) | TPOT p99 (ms) | masks |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        masks = "-" if r["masks_ok"] is None else ("ok" if r["masks_ok"] else f"{r['mask_count_mismatches']} bad")
+        lines.append(f"| {r['concurrency']} | {r['completed']}/{r['num_prompts']} | {r['duration_s']:.2f} "
+                     f"| {r['output_throughput']:.0f} | {r['request_throughput']:.2f} | {_fmt(r['ttft_ms_median'])} "
+                     f"| {_fmt(r['ttft_ms_p99'])} | {_fmt(r['tpot_ms_median'], 2)} | {_fmt(r['tpot_ms_p99'], 2)} "
+                     f"| {masks} |")
+    return "\n".join(lines)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server, without /v1.")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64], help="Requests kept in flight.")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="Requests per concurrency level (default: max(concurrency, 128)).")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="Prompt ids are drawn from [0, vocab); default: the served model's config.json.")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--logprobs", type=int, default=None)
+    parser.add_argument("--extra-body", default=None, help="JSON object merged into every request body.")
+    parser.add_argument("--num-warmups", type=int, default=-1,
+                        help="Warmup requests before each level (-1: as many as the concurrency; 0: none).")
+    parser.add_argument("--warmup-output-len", type=int, default=8)
+    parser.add_argument("--num-client-procs", type=int, default=0,
+                        help="Client processes per level (0: one per 128 in flight, at most a quarter of the CPUs).")
+    parser.add_argument("--level-timeout", type=float, default=None,
+                        help="Seconds per level (warmup included); requests still running then are cancelled and "
+                             "their tokens so far counted.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-out", default=None)
+    return parser
+
+
+def validate(args: argparse.Namespace) -> None:
+    if min(args.concurrency) < 1 or args.input_len < 1 or args.output_len < 1:
+        raise ValueError("--concurrency, --input-len and --output-len must be >= 1.")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1.")
+    if args.extra_body is not None and not isinstance(json.loads(args.extra_body), dict):
+        raise ValueError("--extra-body must be a JSON object.")
+
+
+def main() -> None:
+    parser = make_parser()
+    args = parser.parse_args()
+    try:
+        validate(args)
+    except (ValueError, json.JSONDecodeError) as e:
+        parser.error(str(e))
+    raise_open_files_limit()
+    results = run_benchmark(args, log=lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True))
+    print(markdown_table(results), flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    if any(r["failed"] or r["masks_ok"] is False for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

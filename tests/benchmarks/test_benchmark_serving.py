@@ -1,0 +1,121 @@
+"""benchmarks/benchmark_serving.py: metric arithmetic on hand-made records, and one tiny run against a real
+`vllm serve` (bundled tiny model, CPU, sampling masks on) whose token and mask counts are known in advance."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from vllm.config.model import default_model_path
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+import benchmark_serving as bs  # noqa: E402
+
+
+def test_chunk_token_count_prefers_explicit_fields() -> None:
+    assert bs.chunk_token_count({"token_ids": [1, 2, 3], "logprobs": {"tokens": ["a"]}}) == 3
+    assert bs.chunk_token_count({"token_ids": None, "logprobs": {"tokens": ["a", "b"]}, "text": ""}) == 2
+    assert bs.chunk_token_count({"logprobs": None, "sampling_mask": [[1], [2, 3]], "text": ""}) == 2
+    assert bs.chunk_token_count({"text": "hi"}) == 1
+    assert bs.chunk_token_count({"text": ""}) == 0
+
+
+def test_summarize_hand_worked_level() -> None:
+    # Two finished requests of 5 tokens and one cut short after 2 tokens, over a 10 s level.
+    a = bs.RequestRecord(start=100.0, first_token=100.5, end=102.5, chunk_tokens=5, usage_tokens=5, masks=5,
+                         mask_ids=20, has_mask=True)
+    b = bs.RequestRecord(start=101.0, first_token=102.0, end=106.0, chunk_tokens=5, usage_tokens=5, masks=4,
+                         mask_ids=12, has_mask=True)
+    c = bs.RequestRecord(start=106.0, first_token=107.0, end=110.0, chunk_tokens=2, error="timeout")
+    s = bs.summarize([a, b, c], start=100.0, end=110.0, concurrency=2, input_len=7)
+    assert s["completed"] == 2 and s["timed_out"] == 1 and s["failed"] == 0 and s["truncated"]
+    assert s["output_tokens"] == 12
+    assert s["output_throughput"] == pytest.approx(1.2)
+    assert s["request_throughput"] == pytest.approx(0.2)
+    assert s["total_token_throughput"] == pytest.approx((12 + 14) / 10)
+    # TTFTs 500, 1000, 1000 ms; TPOTs (102.5 - 100.5) / 4 = 500 ms and (106 - 102) / 4 = 1000 ms.
+    assert s["ttft_ms_median"] == pytest.approx(1000.0)
+    assert s["tpot_ms_median"] == pytest.approx(750.0)
+    assert s["e2e_ms_median"] == pytest.approx(3750.0)
+    assert s["mask_requests"] == 2 and s["masks_received"] == 9
+    assert s["mask_count_mismatches"] == 1 and s["masks_ok"] is False
+    assert s["mean_mask_size"] == pytest.approx(32 / 9)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    model = default_model_path()
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        pytest.skip(f"model folder {model} is missing")
+    port = _free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1", "--port",
+         str(port), "--device", "cpu", "--skip-tokenizer-init", "--return-sampling-mask", "--logprobs-mode",
+         "processed_logprobs", "--max-model-len", "64", "--uvicorn-log-level", "warning"],
+        cwd=REPO_ROOT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with code {proc.returncode} during startup")
+            if time.monotonic() > deadline:
+                raise RuntimeError("vllm serve did not become healthy in time")
+            try:
+                if httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def test_load_against_server_counts_tokens_and_masks(server_url: str) -> None:
+    args = bs.make_parser().parse_args(
+        ["--base-url", server_url, "--concurrency", "2", "--num-prompts", "3", "--input-len", "6", "--output-len",
+         "4", "--temperature", "1", "--top-p", "0.9", "--top-k", "7", "--logprobs", "1", "--num-warmups", "1",
+         "--warmup-output-len", "2", "--num-client-procs", "1"])
+    bs.validate(args)
+    (r,) = bs.run_benchmark(args, log=lambda _: None)
+    assert r["concurrency"] == 2 and r["num_prompts"] == 3
+    assert r["completed"] == 3 and r["failed"] == 0 and r["timed_out"] == 0 and not r["truncated"]
+    # ignore_eos with max_tokens=4: exactly 4 tokens per request, counted both from usage and from the chunks.
+    assert r["output_tokens"] == 12 and r["token_count_mismatches"] == 0
+    assert r["masks_ok"] is True and r["mask_requests"] == 3 and r["masks_received"] == 12
+    assert 1.0 <= r["mean_mask_size"] <= 7.0
+    assert r["output_throughput"] == pytest.approx(12 / r["duration_s"])
+    assert 0 < r["ttft_ms_median"] <= r["e2e_ms_median"] and r["tpot_ms_median"] > 0
+    table = bs.markdown_table([r])
+    assert "| 2 | 3/3 |" in table and "| ok |" in table
+
+
+def test_no_mask_server_reports_no_mask_check(server_url: str) -> None:
+    args = bs.make_parser().parse_args(
+        ["--base-url", server_url, "--concurrency", "1", "--num-prompts", "1", "--input-len", "5", "--output-len",
+         "3", "--top-k", "5", "--num-warmups", "0", "--extra-body", '{"return_sampling_mask": false}'])
+    (r,) = bs.run_benchmark(args, log=lambda _: None)
+    assert r["completed"] == 1 and r["output_tokens"] == 3
+    assert r["masks_ok"] is None and r["mask_requests"] == 0
