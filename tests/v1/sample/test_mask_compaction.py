@@ -1,0 +1,47 @@
+"""The chunked compaction kernel against an independent numpy reference (and the same layout as the
+one-program-per-row kernel): ids, full counts and the little-bit-order bitmask, across chunk boundaries."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.v1.sample.ops.mask_compaction import CHUNK, compact_sampling_mask_chunked
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_logits(num_reqs: int, vocab: int, supports: list[int], seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    logits = np.full((num_reqs, vocab), -np.inf, dtype=np.float32)
+    for r, size in enumerate(supports):
+        ids = rng.choice(vocab, size=size, replace=False)
+        logits[r, ids] = rng.standard_normal(size)
+        # Non-finite values outside the support: NaN and +inf are not kept.
+        others = np.setdiff1d(np.arange(vocab), ids)
+        if len(others) >= 2:
+            logits[r, others[0]] = np.nan
+            logits[r, others[-1]] = np.inf
+    return torch.from_numpy(logits)
+
+
+@pytest.mark.parametrize("vocab", [2 * CHUNK + 123, CHUNK, 100])
+@pytest.mark.parametrize("k", [1, 7, 300])
+def test_chunked_compaction_matches_reference(vocab: int, k: int) -> None:
+    sizes = [min(s, vocab - 2) for s in (0, 1, 7, max(k - 1, 0), k, k + 1, 2 * k + 50, vocab)]
+    logits = make_logits(len(sizes), vocab, sizes, seed=vocab + k)
+    num_sampled = torch.ones(len(sizes), dtype=torch.int32)
+    num_sampled[2] = 0  # a row that sampled nothing is empty whatever its logits
+    token_ids = torch.full((len(sizes), k), -1, dtype=torch.int32, device=DEVICE)
+    packed = torch.empty((len(sizes), (vocab + 7) // 8), dtype=torch.uint8, device=DEVICE)
+    counts = torch.empty(len(sizes), dtype=torch.int32, device=DEVICE)
+    compact_sampling_mask_chunked(logits.to(DEVICE), num_sampled.to(DEVICE), token_ids, packed, counts)
+
+    keep = np.isfinite(logits.numpy()) & (num_sampled.numpy() > 0)[:, None]
+    np.testing.assert_array_equal(packed.cpu().numpy(), np.packbits(keep, axis=1, bitorder="little"))
+    np.testing.assert_array_equal(counts.cpu().numpy(), keep.sum(1))
+    ids = token_ids.cpu().numpy()
+    for r in range(len(sizes)):
+        expected = np.nonzero(keep[r])[0][:k]
+        np.testing.assert_array_equal(ids[r, :len(expected)], expected)

@@ -1,0 +1,102 @@
+"""Chunked sampling-mask compaction: one read of the logits, spread over (row, chunk) programs.
+
+The one-program-per-row kernel carries the running count through a row of 151k ids sequentially, so at 512 rows
+only 512 programs stream the logits and the pass runs at a fraction of the memory bandwidth. Here the work is
+split in two launches whose only large read is the first:
+
+1. `_pack_count_kernel`, grid (num_reqs, num_chunks): reads CHUNK logits, writes their keep flags as the packed
+   little-bit-order bitmask (CHUNK / 8 bytes) and the chunk's keep count.
+2. `_compact_kernel`, grid (num_reqs, num_chunks): a chunk's first slot is the sum of the counts of the chunks
+   before it (at most a few dozen ints); chunks that start at or past K exit at once. The others unpack their
+   bitmask bytes (1/32 of the logits' bytes), take an exclusive prefix sum of the flags and write ids < K
+   ascending. Chunk 0 also writes the row's full count.
+
+Bytes moved: the logits once, plus ~1/32 of that for the bitmask written and re-read by the surviving chunks.
+Output is identical to `_compact_sampling_mask_kernel`: the same token_ids[:, :K], counts and packed_mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 4096
+
+
+@triton.jit
+def _pack_count_kernel(
+    logits_ptr,  # [num_reqs, V] float
+    logits_stride,
+    num_sampled_ptr,  # [num_reqs] int32
+    packed_mask_ptr,  # [num_reqs, ceil(V/8)] uint8
+    packed_mask_stride,
+    chunk_counts_ptr,  # [num_reqs, num_chunks] int32
+    num_chunks,
+    vocab_size,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    # A row that sampled nothing keeps nothing: its loads are all masked off.
+    limit = tl.where(tl.load(num_sampled_ptr + row) > 0, vocab_size, 0)
+    ids = chunk * CHUNK + tl.arange(0, CHUNK)
+    live = ids < limit
+    x = tl.load(logits_ptr + row * logits_stride + ids, mask=live, other=float("-inf")).to(tl.float32)
+    # Finite: not NaN (x == x) and |x| < inf.
+    keep = (x == x) & (tl.abs(x) < float("inf")) & live
+    flags = tl.reshape(keep.to(tl.int32), (CHUNK // 8, 8))
+    shifts = tl.arange(0, 8)[None, :]
+    packed = tl.sum(flags << shifts, axis=1)  # [CHUNK // 8]
+    byte_ids = chunk * (CHUNK // 8) + tl.arange(0, CHUNK // 8)
+    tl.store(packed_mask_ptr + row * packed_mask_stride + byte_ids, packed.to(tl.uint8),
+             mask=byte_ids < (vocab_size + 7) // 8)
+    tl.store(chunk_counts_ptr + row * num_chunks + chunk, tl.sum(keep.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _compact_kernel(
+    packed_mask_ptr,  # [num_reqs, ceil(V/8)] uint8
+    packed_mask_stride,
+    chunk_counts_ptr,  # [num_reqs, num_chunks] int32
+    num_chunks,
+    token_ids_ptr,  # [num_reqs, K] int32
+    token_ids_stride,
+    counts_ptr,  # [num_reqs] int32
+    vocab_size,
+    K,
+    CHUNK: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    c = tl.arange(0, MAX_CHUNKS)
+    counts = tl.load(chunk_counts_ptr + row * num_chunks + c, mask=c < num_chunks, other=0)
+    start = tl.sum(tl.where(c < chunk, counts, 0), axis=0)
+    if chunk == 0:
+        tl.store(counts_ptr + row, tl.sum(counts, axis=0))
+    if start < K:
+        byte_ids = chunk * (CHUNK // 8) + tl.arange(0, CHUNK // 8)
+        packed = tl.load(packed_mask_ptr + row * packed_mask_stride + byte_ids,
+                         mask=byte_ids < (vocab_size + 7) // 8, other=0).to(tl.int32)
+        shifts = tl.arange(0, 8)[None, :]
+        flags = tl.reshape((packed[:, None] >> shifts) & 1, (CHUNK,))
+        slots = start + tl.cumsum(flags, axis=0) - flags  # exclusive prefix sum, seeded by the chunk start
+        ids = chunk * CHUNK + tl.arange(0, CHUNK)
+        tl.store(token_ids_ptr + row * token_ids_stride + slots, ids.to(tl.int32), mask=(flags > 0) & (slots < K))
+
+
+def compact_sampling_mask_chunked(logits: torch.Tensor, num_sampled: torch.Tensor, token_ids: torch.Tensor,
+                                  packed_mask: torch.Tensor, counts: torch.Tensor) -> None:
+    """Fill token_ids [R, K] int32, packed_mask [R, ceil(V/8)] uint8 and counts [R] int32 from logits [R, V]."""
+    num_reqs, vocab_size = logits.shape
+    if num_reqs == 0:
+        return
+    num_chunks = triton.cdiv(vocab_size, CHUNK)
+    chunk_counts = torch.empty(num_reqs, num_chunks, dtype=torch.int32, device=logits.device)
+    grid = (num_reqs, num_chunks)
+    _pack_count_kernel[grid](logits, logits.stride(0), num_sampled, packed_mask, packed_mask.stride(0),
+                             chunk_counts, num_chunks, vocab_size, CHUNK=CHUNK, num_warps=8)
+    _compact_kernel[grid](packed_mask, packed_mask.stride(0), chunk_counts, num_chunks, token_ids,
+                          token_ids.stride(0), counts, vocab_size, token_ids.shape[1], CHUNK=CHUNK,
+                          MAX_CHUNKS=triton.next_power_of_2(num_chunks), num_warps=8)
