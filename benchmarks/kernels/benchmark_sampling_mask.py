@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from vllm.v1.sample.sampling_mask import (MAX_COMPACT_SUPPORT, SamplingMaskTensors, legacy_pack_sampling_mask,
-                                          legacy_unpack_sampling_mask)
+from vllm.v1.sample.sampling_mask import (MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask,
+                                          legacy_pack_sampling_mask, legacy_unpack_sampling_mask)
 
 
 def make_logits(num_reqs: int, vocab_size: int, k: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -103,6 +103,7 @@ def bench_case(num_reqs: int, k: int, vocab_size: int, device: torch.device, ite
         "compact_gpu_ms": gpu_ms(compact_step, device, iters),
         "compact_kernel_ms": gpu_ms(lambda: SamplingMaskTensors.from_logits(logits, num_sampled, k), device,
                                     iters),
+        "row_kernel_ms": gpu_ms(lambda: compact_sampling_mask(logits, num_sampled, k, impl="row"), device, iters),
         "compact_host_ms": host_ms(copy.tolists, iters),
         "compact_bytes": compact_bytes,
         "legacy_gpu_ms": gpu_ms(legacy_step, device, iters),
@@ -116,6 +117,7 @@ def bench_case(num_reqs: int, k: int, vocab_size: int, device: torch.device, ite
 
 COLUMNS = [("num_reqs", "reqs", "{}"), ("k", "k", "{}"), ("mean_support", "mean |S|", "{:.1f}"),
            ("compact_gpu_ms", "compact GPU ms", "{:.3f}"), ("compact_kernel_ms", "kernel ms", "{:.3f}"),
+           ("row_kernel_ms", "row-kernel ms", "{:.3f}"),
            ("read_floor_ms", "read floor ms", "{:.3f}"), ("nominal_floor_ms", "nominal floor ms", "{:.3f}"),
            ("compact_host_ms", "tolists ms", "{:.3f}"), ("compact_bytes", "compact bytes", "{}"),
            ("legacy_gpu_ms", "legacy GPU ms", "{:.3f}"), ("legacy_host_ms", "legacy host ms", "{:.2f}"),

@@ -45,3 +45,19 @@ def test_chunked_compaction_matches_reference(vocab: int, k: int) -> None:
     for r in range(len(sizes)):
         expected = np.nonzero(keep[r])[0][:k]
         np.testing.assert_array_equal(ids[r, :len(expected)], expected)
+
+
+def test_row_and_chunked_impls_agree() -> None:
+    from vllm.v1.sample.sampling_mask import compact_sampling_mask
+
+    vocab = CHUNK + 517
+    sizes = [0, 3, 40, 41, 500, vocab]
+    logits = make_logits(len(sizes), vocab, [min(s, vocab - 2) for s in sizes], seed=1).to(DEVICE)
+    num_sampled = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.int32, device=DEVICE)
+    row = compact_sampling_mask(logits, num_sampled, 40, impl="row")
+    chunked = compact_sampling_mask(logits, num_sampled, 40, impl="chunked")
+    assert torch.equal(row.counts, chunked.counts)
+    assert torch.equal(row.packed_mask, chunked.packed_mask)
+    for r, n in enumerate(row.counts.tolist()):
+        assert torch.equal(row.token_ids[r, :min(n, 40)], chunked.token_ids[r, :min(n, 40)])
+    assert row.tolists().token_ids.tolist() == chunked.tolists().token_ids.tolist()

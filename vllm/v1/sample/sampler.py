@@ -22,13 +22,14 @@ import torch
 from torch import nn
 
 from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.fast_path import fast_path_applies, sample_fast
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.ops.logprobs import gather_logprobs
 from vllm.v1.sample.ops.sample import random_sample
-from vllm.v1.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p
+from vllm.v1.sample.ops.topk_topp import SAMPLING_EPS, process_logits
 from vllm.v1.sample.sampling_mask import LegacySamplingMask, SamplingMaskTensors
 
-_SAMPLING_EPS = 1e-5
+_SAMPLING_EPS = SAMPLING_EPS
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -42,8 +43,11 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs", legacy_sampling_mask: bool = False) -> None:
+    def __init__(self, logprobs_mode: str = "raw_logprobs", legacy_sampling_mask: bool = False,
+                 use_fast_path: bool = True) -> None:
         super().__init__()
+        # Benchmarks and tests only: False forces the general full-vocabulary path for every batch.
+        self.use_fast_path = use_fast_path
         # Benchmarks only: produce the pre-change full bitmask instead of the compacted mask.
         self.legacy_sampling_mask = legacy_sampling_mask
         if logprobs_mode not in LOGPROBS_MODES:
@@ -60,9 +64,12 @@ class Sampler(nn.Module):
         elif want_logprobs and self.logprobs_mode == "raw_logits":
             raw_values = logits
 
-        greedy_tokens = None if md.all_random else logits.argmax(dim=-1)
         need_processed = (not md.all_greedy or md.sampling_mask_rows is not None
                           or (want_logprobs and raw_values is None))
+        if need_processed and self._fast_path_ok(logits, md):
+            sampled, logprobs_tensors, mask = sample_fast(logits, md, self.logprobs_mode, raw_values)
+            return SamplerOutput(sampled, logprobs_tensors, mask)
+        greedy_tokens = None if md.all_random else logits.argmax(dim=-1)
         processed = self.process_logits(logits, md) if need_processed else None
 
         if md.all_greedy:
@@ -94,16 +101,11 @@ class Sampler(nn.Module):
                 sampling_mask = SamplingMaskTensors.from_logits(processed, md.sampling_mask_rows, md.max_top_k)
         return SamplerOutput(sampled, logprobs_tensors, sampling_mask)
 
+    def _fast_path_ok(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
+        legacy_mask = self.legacy_sampling_mask and md.sampling_mask_rows is not None
+        return self.use_fast_path and not legacy_mask and fast_path_applies(md, logits.shape[1])
+
     @staticmethod
     def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p on a copy of `logits` ([num_reqs, V] float32)."""
-        if md.temperature is None:
-            processed = logits.clone()
-        else:
-            temperature = md.temperature.to(torch.float32)
-            temperature = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature)
-            processed = logits / temperature[:, None]
-        if md.min_p is not None:
-            apply_min_p(processed, md.min_p)
-        apply_top_k_top_p(processed, md.top_k, md.top_p, md.max_top_k)
-        return processed
+        return process_logits(logits, md.temperature, md.min_p, md.top_k, md.top_p, md.max_top_k)

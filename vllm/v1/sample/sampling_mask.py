@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from vllm.v1.outputs import SamplingMaskLists
+from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
 
 MAX_COMPACT_SUPPORT = 2048
 
@@ -86,9 +87,13 @@ def _compact_sampling_mask_kernel(
     tl.store(counts_ptr + row, count)
 
 
-def compact_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor,
-                          max_num_kept: int) -> SamplingMaskTensors:
-    """One pass over `logits` ([num_reqs, V], unit stride on V) -> SamplingMaskTensors on logits' device."""
+def compact_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor, max_num_kept: int,
+                          impl: str = "chunked") -> SamplingMaskTensors:
+    """One pass over `logits` ([num_reqs, V], unit stride on V) -> SamplingMaskTensors on logits' device.
+
+    impl "chunked" (default) spreads the pass over (row, chunk) programs (ops/mask_compaction.py); "row" runs
+    `_compact_sampling_mask_kernel`, one program per row. Both give identical outputs.
+    """
     num_reqs, vocab_size = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -103,6 +108,8 @@ def compact_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor,
         return SamplingMaskTensors(token_ids, packed_mask, counts, vocab_size)
     if not logits.is_cuda and not triton.knobs.runtime.interpret:
         _compact_sampling_mask_torch(logits, num_sampled, token_ids, packed_mask, counts)
+    elif impl == "chunked":
+        compact_sampling_mask_chunked(logits, num_sampled, token_ids, packed_mask, counts)
     else:
         _compact_sampling_mask_kernel[(num_reqs,)](
             logits, logits.stride(0), num_sampled, token_ids, max(token_ids.stride(0), 1), packed_mask,
@@ -125,7 +132,8 @@ def _compact_sampling_mask_torch(logits: torch.Tensor, num_sampled: torch.Tensor
 class SamplingMaskTensors(NamedTuple):
     # [num_reqs, K] int32: ascending support ids; slots >= counts[r] are undefined.
     token_ids: torch.Tensor
-    # [num_reqs, ceil(V/8)] uint8: the support as a little-bit-order bitmask (exact for every row).
+    # [num_reqs, ceil(V/8)] uint8: the support as a little-bit-order bitmask. from_logits fills every row;
+    # the sampler's fast path writes only rows whose count exceeds K (the only rows tolists() reads).
     packed_mask: torch.Tensor
     # [num_reqs] int32: full support size of each row.
     counts: torch.Tensor
@@ -234,15 +242,20 @@ def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None) -> Sam
 
 def legacy_pack_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor | None) -> torch.Tensor:
     """Pre-change device half: isfinite(logits) packed to [num_reqs, ceil(V/8)] uint8 (little bit order)."""
-    num_reqs, vocab_size = logits.shape
     keep = torch.isfinite(logits)  # [num_reqs, V] bool
     if num_sampled is not None:
         keep &= (num_sampled.to(logits.device) > 0)[:, None]
+    return pack_bool_mask(keep)
+
+
+def pack_bool_mask(keep: torch.Tensor) -> torch.Tensor:
+    """[num_reqs, V] bool -> [num_reqs, ceil(V/8)] uint8, bit j of byte b is token 8b+j (little bit order)."""
+    num_reqs, vocab_size = keep.shape
     pad = (-vocab_size) % 8
     if pad:
         keep = torch.nn.functional.pad(keep, (0, pad))
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=logits.device)
-    return (keep.view(num_reqs, -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=keep.device)
+    return (keep.reshape(num_reqs, -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
 
 
 def legacy_unpack_sampling_mask(packed_mask: np.ndarray, vocab_size: int) -> SamplingMaskLists:

@@ -24,6 +24,23 @@ from __future__ import annotations
 import torch
 
 _NEG_INF = float("-inf")
+SAMPLING_EPS = 1e-5
+
+
+def process_logits(logits: torch.Tensor, temperature: torch.Tensor | None, min_p: torch.Tensor | None,
+                   top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int) -> torch.Tensor:
+    """Temperature (values below SAMPLING_EPS count as 1.0), min-p, top-k, top-p on a copy of `logits`
+    ([num_reqs, V] float32) -> the processed logits."""
+    if temperature is None:
+        processed = logits.clone()
+    else:
+        temperature = temperature.to(torch.float32)
+        temperature = torch.where(temperature < SAMPLING_EPS, 1.0, temperature)
+        processed = logits / temperature[:, None]
+    if min_p is not None:
+        apply_min_p(processed, min_p)
+    apply_top_k_top_p(processed, top_k, top_p, max_top_k)
+    return processed
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -59,17 +76,31 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     if top_p is None:
         return
     p = top_p.to(device=logits.device, dtype=torch.float32)[:, None]  # [num_reqs, 1]
+    num_extra = None
+    if partial:
+        # NOTE: survivors outside the candidates can only be ties at a finite top-k threshold.
+        num_finite = (cand_vals > _NEG_INF).sum(dim=-1, keepdim=True)  # [num_reqs, 1]
+        num_survivors = (logits >= kth).sum(dim=-1, keepdim=True)
+        num_extra = torch.where(kth > _NEG_INF, num_survivors - num_finite, 0)
+    cut_val = top_p_cut_value(cand_vals, p, kth if partial else None, num_extra)
+    logits.masked_fill_(logits < cut_val, _NEG_INF)
+
+
+def top_p_cut_value(cand_vals: torch.Tensor, p: torch.Tensor, kth: torch.Tensor | None,
+                    num_extra: torch.Tensor | None) -> torch.Tensor:
+    """The top-p threshold of each row: the logit of the last kept token (-inf where p >= 1).
+
+    cand_vals: [num_reqs, C] float32, descending, -inf for removed candidates; p: [num_reqs, 1] float32.
+    num_extra ([num_reqs, 1]): survivors not among the candidates, each a tie at `kth` ([num_reqs, 1]).
+    Shared by the general and the fast path so that both do bitwise the same arithmetic.
+    """
     row_max = cand_vals[:, :1]  # [num_reqs, 1]
     weights = (cand_vals - row_max).exp_()  # [num_reqs, C], 0 for removed candidates
     denom = weights.sum(dim=-1, keepdim=True)  # [num_reqs, 1]
     num_finite = (cand_vals > _NEG_INF).sum(dim=-1, keepdim=True)  # [num_reqs, 1]
-    if partial:
-        # NOTE: survivors outside the candidates can only be ties at a finite top-k threshold.
-        num_survivors = (logits >= kth).sum(dim=-1, keepdim=True)
-        num_extra = torch.where(kth > _NEG_INF, num_survivors - num_finite, 0)
+    if num_extra is not None and kth is not None:
         denom = denom + num_extra * (kth - row_max).exp()
     cum_probs = (weights / denom).cumsum_(dim=-1)  # [num_reqs, C]
     cut = (cum_probs < p).sum(dim=-1, keepdim=True).clamp_(max=num_finite - 1).clamp_(min=0)
     cut_val = cand_vals.gather(1, cut)  # [num_reqs, 1] logit of the last kept token
-    cut_val = torch.where(p >= 1.0, _NEG_INF, cut_val)
-    logits.masked_fill_(logits < cut_val, _NEG_INF)
+    return torch.where(p >= 1.0, _NEG_INF, cut_val)
