@@ -13,13 +13,21 @@ for s in $stages; do
   echo "=== $s $(date +%T)"
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
-    tests) python3 -m pytest -q -p no:cacheprovider tests/v1/attention tests/v1/sample tests/models 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/v1/attention tests/v1/sample tests/models tests/v1/worker 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
+    sampler) python3 benchmarks/kernels/benchmark_sampler.py --out "$OUT/sampler_bench.json" 2>&1 | tee "$OUT/sampler_bench.txt" ;;
     backend) python3 tools/gpu_backend_check.py 2>&1 | grep -v Warning | tee "$OUT/backend_check.txt" ;;
     mask) python3 benchmarks/kernels/benchmark_sampling_mask.py --out "$OUT/mask_bench.json" 2>&1 | tee "$OUT/mask_bench.txt" ;;
     attn) python3 benchmarks/kernels/benchmark_attention.py --batch-sizes 64 256 512 --context 384 2>&1 | tee "$OUT/attn_bench.txt" ;;
+    throughput_base)  # the same offline run on the code before the GPU issue (a snapshot in .snap_base)
+      (cd .snap_base && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/benchmark_throughput.py \
+        --model benchmarks/configs/qwen2.5-1.5b-instruct \
+        --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
+        --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
+        --json-out "$OUT/throughput_base.json" 2>&1 | grep -v Warning | tee "$OUT/throughput_base.txt") ;;
     throughput) python3 benchmarks/benchmark_throughput.py --model benchmarks/configs/qwen2.5-1.5b-instruct \
         --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
         --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
         --json-out "$OUT/throughput.json" 2>&1 | grep -v Warning | tee "$OUT/throughput.txt" ;;
+    ab) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
   esac
 done

@@ -96,10 +96,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
         def bad(field: str, rule: str, value: Any) -> ValueError:
             return ValueError(f"{field} must be {rule}, got {value!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1", self.n)
-        if self.n > 1:
-            raise ValueError(f"n > 1 is not supported yet, got n={self.n}; send n separate requests instead.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
         if not -2.0 <= self.frequency_penalty <= 2.0:

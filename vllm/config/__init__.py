@@ -43,6 +43,8 @@ class VllmConfig:
     def __post_init__(self) -> None:
         assert self.model_config.max_model_len is not None
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        if self.scheduler_config.async_scheduling is None:
+            self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda"
         if self.model_config.return_sampling_mask:
             if self.model_config.logprobs_mode != "processed_logprobs":
                 raise ValueError(

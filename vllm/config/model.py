@@ -62,6 +62,12 @@ class ModelConfig:
     """Return, for every generated token, the ids the sampler could have drawn (its support). Needs
     --logprobs-mode processed_logprobs."""
 
+    enforce_eager: bool = False
+    """Always run the model eagerly: no CUDA graphs for decode steps (CPU never uses them)."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """Decode batch sizes captured as CUDA graphs (a batch replays the smallest size that holds it); the default
+    is 1, 2, 4, 8, 16, 24, ..., 1024, capped at max_num_seqs and max_num_batched_tokens. Comma-separated."""
+
     hf_config: SimpleNamespace = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +82,8 @@ class ModelConfig:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
         if self.dtype != "auto" and self.dtype not in _STR_TO_DTYPE:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}.")
+        if self.cudagraph_capture_sizes is not None and any(s < 1 for s in self.cudagraph_capture_sizes):
+            raise ValueError(f"cudagraph_capture_sizes must be positive, got {self.cudagraph_capture_sizes}.")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}.")
         self.hf_config = load_hf_config(self.model)

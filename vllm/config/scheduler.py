@@ -13,6 +13,9 @@ class SchedulerConfig:
     """Most tokens computed in one step (prompt chunks plus decode tokens); longer prompts are chunked."""
     max_model_len: int = 2048
     """Copied from ModelConfig by VllmConfig."""
+    async_scheduling: bool | None = None
+    """Schedule step N+1 while step N runs on the device (its sampled tokens feed N+1 on the device, its outputs
+    are copied to the host behind it). Default: on for CUDA, off for CPU."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -47,12 +47,15 @@ class EngineArgs:
     logprobs_mode: str = "raw_logprobs"
     max_logprobs: int = 20
     return_sampling_mask: bool = False
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     enable_batch_sharded_sampling: bool = False
 
@@ -67,7 +70,7 @@ class EngineArgs:
                                     help=help_text + " (also accepted as --model)")
                 parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
                 continue
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
                 continue
             parser.add_argument(name, type=_parse_type(str(f.type)), default=f.default, help=help_text)
@@ -85,14 +88,16 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, served_model_name=self.served_model_name, dtype=self.dtype,
             seed=self.seed, max_model_len=self.max_model_len, skip_tokenizer_init=self.skip_tokenizer_init,
             load_format=self.load_format, logprobs_mode=self.logprobs_mode, max_logprobs=self.max_logprobs,
-            return_sampling_mask=self.return_sampling_mask)
+            return_sampling_mask=self.return_sampling_mask, enforce_eager=self.enforce_eager,
+            cudagraph_capture_sizes=self.cudagraph_capture_sizes)
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                                      kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                      num_gpu_blocks_override=self.num_gpu_blocks_override),
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                             max_num_batched_tokens=self.max_num_batched_tokens),
+                                             max_num_batched_tokens=self.max_num_batched_tokens,
+                                             async_scheduling=self.async_scheduling),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                            enable_batch_sharded_sampling=self.enable_batch_sharded_sampling),
             device_config=DeviceConfig(device=self.device))
@@ -101,6 +106,13 @@ class EngineArgs:
         return dataclasses.replace(self, **kwargs)
 
 
+def _parse_int_list(value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
 def _parse_type(annotation: str) -> Any:
     base = annotation.replace(" | None", "").strip()
-    return {"int": int, "float": float, "str": str}.get(base, str)
+    return {"int": int, "float": float, "str": str, "list[int]": _parse_int_list}.get(base, str)

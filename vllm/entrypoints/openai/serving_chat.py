@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages through the chat template, JSON or SSE, with logprobs and masks.
 
-Streaming sends a first chunk with the assistant role, then one chunk per engine step (its text, token ids when
-asked, logprobs and the masks of its tokens), an optional usage chunk, and `data: [DONE]`.
+Streaming sends a first chunk with the assistant role per choice, then one chunk per choice and engine step
+(its text, token ids when asked, logprobs and the masks of its tokens), an optional usage chunk, and
+`data: [DONE]`. With `n` samples, choice j is the request's sample j (`CompletionOutput.index`).
 """
 
 from __future__ import annotations
@@ -74,37 +75,39 @@ class OpenAIServingChat(OpenAIServing):
         async for out in gen:
             final = out
         assert final is not None
-        c = final.outputs[0]
-        choice = ChatCompletionResponseChoice(
-            index=0, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
+        choices = [ChatCompletionResponseChoice(
+            index=c.index, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0) if request.logprobs
             else None,
             token_ids=list(c.token_ids) if request.return_token_ids else None,
             sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
+            for c in sorted(final.outputs, key=lambda c: c.index)]
         num_prompt = len(final.prompt_token_ids or [])
-        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=len(c.token_ids),
-                          total_tokens=num_prompt + len(c.token_ids))
-        return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage,
+        num_completion = sum(len(c.token_ids) for c in final.outputs)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                          total_tokens=num_prompt + num_completion)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
                                       prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
 
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
                       gen: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:
-        yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[
-            ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))]))
+        for index in range(request.n):
+            yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[
+                ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))
         num_prompt = num_completion = 0
         async for out in gen:
-            c = out.outputs[0]
             num_prompt = len(out.prompt_token_ids or [])
-            num_completion += len(c.token_ids)
-            choice = ChatCompletionResponseStreamChoice(
-                index=0, delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
-                if request.logprobs else None,
-                token_ids=list(c.token_ids) if request.return_token_ids else None,
-                sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
-            yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+            for c in out.outputs:
+                num_completion += len(c.token_ids)
+                choice = ChatCompletionResponseStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
+                    if request.logprobs else None,
+                    token_ids=list(c.token_ids) if request.return_token_ids else None,
+                    sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
+                yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                               total_tokens=num_prompt + num_completion)

@@ -2,7 +2,8 @@
 
 Every prompt is validated and added before anything streams (a bad one is a 400 and aborts the others); each
 streamed chunk carries the token ids' masks of that chunk, so the chunks of a choice concatenate to one mask per
-generated token.
+generated token. With `n` samples per prompt, prompt i's sample j is choice `i * n + j` (vLLM's numbering), and
+usage counts each prompt once and every choice's completion tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from vllm.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
                                               CompletionStreamResponse, UsageInfo, random_uuid)
 from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
-from vllm.outputs import RequestOutput
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import PromptType
 
 
@@ -89,9 +90,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise
         return base_id, request_ids, gens
 
-    def _choice(self, request: CompletionRequest, index: int, out: RequestOutput, text_offset: int,
-                prefix: str = "", first: bool = True) -> CompletionResponseChoice:
-        c = out.outputs[0]
+    def _choice(self, request: CompletionRequest, index: int, out: RequestOutput, c: CompletionOutput,
+                text_offset: int, prefix: str = "", first: bool = True) -> CompletionResponseChoice:
         return CompletionResponseChoice(
             index=index, text=prefix + c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             logprobs=(self.completion_logprobs(c.token_ids, c.logprobs, request.logprobs or 0, text_offset)
@@ -113,29 +113,33 @@ class OpenAIServingCompletion(OpenAIServing):
         for i in range(len(gens)):
             out = finals[i]
             echo = (out.prompt or "") if request.echo else ""
-            choices.append(self._choice(request, i, out, len(echo), echo))
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                choices.append(self._choice(request, i * request.n + c.index, out, c, len(echo), echo))
+                usage.completion_tokens += len(c.token_ids)
             usage.prompt_tokens += len(out.prompt_token_ids or [])
-            usage.completion_tokens += len(out.outputs[0].token_ids)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=base_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request: CompletionRequest, model: str, base_id: str,
                       gens: list[AsyncGenerator]) -> AsyncGenerator[str, None]:
-        offsets = [0] * len(gens)
+        num_choices = len(gens) * request.n
+        offsets = [0] * num_choices
         usage = UsageInfo()
-        started = [False] * len(gens)
+        prompt_counted = [False] * len(gens)
+        started = [False] * num_choices
         async for i, out in merge_streams(gens):
-            prefix = ""
-            first = not started[i]
-            if first:
-                started[i] = True
+            if not prompt_counted[i]:
+                prompt_counted[i] = True
                 usage.prompt_tokens += len(out.prompt_token_ids or [])
-                if request.echo:
-                    prefix = out.prompt or ""
-            choice = self._choice(request, i, out, offsets[i], prefix, first)
-            offsets[i] += len(choice.text)
-            usage.completion_tokens += len(out.outputs[0].token_ids)
-            yield sse(CompletionStreamResponse(id=base_id, model=model, choices=[choice]))
+            for c in out.outputs:
+                index = i * request.n + c.index
+                first = not started[index]
+                started[index] = True
+                prefix = (out.prompt or "") if first and request.echo else ""
+                choice = self._choice(request, index, out, c, offsets[index], prefix, first)
+                offsets[index] += len(choice.text)
+                usage.completion_tokens += len(c.token_ids)
+                yield sse(CompletionStreamResponse(id=base_id, model=model, choices=[choice]))
         if request.stream_options is not None and request.stream_options.include_usage:
             usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
             yield sse(CompletionStreamResponse(id=base_id, model=model, choices=[], usage=usage))

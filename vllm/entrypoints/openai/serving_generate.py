@@ -2,7 +2,8 @@
 
 Request `{request_id?, token_ids, sampling_params: {...}, model?, stream?}`; response `{request_id, choices:
 [{index, token_ids, logprobs, finish_reason, sampling_mask}], prompt_logprobs}`. Logprobs use the chat format;
-`sampling_mask[i]` is the ascending support of `token_ids[i]` (per chunk when streaming).
+`sampling_mask[i]` is the ascending support of `token_ids[i]` (per chunk when streaming). `sampling_params.n`
+gives n choices (index j = sample j); a streamed chunk holds the choices with new tokens in that step.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from collections.abc import AsyncGenerator
 from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
                                               GenerateStreamResponse, UsageInfo)
 from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
-from vllm.outputs import RequestOutput
+from vllm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingGenerate(OpenAIServing):
-    def _choice(self, out: RequestOutput, num_logprobs: int) -> GenerateResponseChoice:
-        c = out.outputs[0]
+    def _choices(self, out: RequestOutput, num_logprobs: int) -> list[GenerateResponseChoice]:
+        return [self._choice(c, num_logprobs) for c in sorted(out.outputs, key=lambda c: c.index)]
+
+    def _choice(self, c: CompletionOutput, num_logprobs: int) -> GenerateResponseChoice:
         return GenerateResponseChoice(
-            index=0, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
+            index=c.index, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
             logprobs=self.chat_logprobs(c.token_ids, c.logprobs, num_logprobs) if c.logprobs is not None else None,
             sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
 
@@ -38,15 +41,15 @@ class OpenAIServingGenerate(OpenAIServing):
         async for out in gen:
             final = out
         assert final is not None
-        num_out = len(final.outputs[0].token_ids)
+        num_out = sum(len(c.token_ids) for c in final.outputs)
         usage = UsageInfo(prompt_tokens=len(request.token_ids), completion_tokens=num_out,
                           total_tokens=len(request.token_ids) + num_out)
-        return GenerateResponse(request_id=request.request_id, choices=[self._choice(final, num_logprobs)],
+        return GenerateResponse(request_id=request.request_id, choices=self._choices(final, num_logprobs),
                                 usage=usage)
 
     async def _stream(self, request: GenerateRequest, gen: AsyncGenerator[RequestOutput, None],
                       num_logprobs: int) -> AsyncGenerator[str, None]:
         async for out in gen:
             yield sse(GenerateStreamResponse(request_id=request.request_id,
-                                             choices=[self._choice(out, num_logprobs)]))
+                                             choices=self._choices(out, num_logprobs)))
         yield SSE_DONE

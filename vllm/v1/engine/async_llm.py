@@ -7,7 +7,7 @@ core the requests a stop string ended here, and records metrics.
 
 Invariants:
 - A generator that is cancelled or closed early (client disconnect) aborts its request in the core, so its KV
-  blocks are freed.
+  blocks are freed; for n > 1 that is every child (one queue per user request, shared by its children).
 - Once the core process dies, every waiting request gets `EngineDeadError` and new requests are refused;
   `errored` / `dead_error` tell the server.
 """
@@ -84,15 +84,17 @@ class AsyncLLM:
         await self.check_health()
         request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, time.time())
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.output_processor.add_request(request, prompt_text, queue)
+        core_requests = self.output_processor.add_request(request, prompt_text, queue)
         if self.log_stats:
-            self.request_stats.add_request(request_id, len(request.prompt_token_ids))
+            for core_request in core_requests:
+                self.request_stats.add_request(core_request.request_id, len(request.prompt_token_ids))
         self._ensure_output_handler()
         try:
-            await self.engine_core.add_request_async(request)
+            for core_request in core_requests:
+                await self.engine_core.add_request_async(core_request)
         except BaseException:
-            self.output_processor.abort_requests([request_id])
-            self.request_stats.abort([request_id])
+            # NOTE: with n > 1 some children may already be in the core; aborting unknown ids there is a no-op.
+            self._abort_now([request_id])
             raise
         return queue
 
@@ -154,10 +156,11 @@ class AsyncLLM:
             self.engine_core.dead_error = EngineDeadError(f"The output handler failed: {e!r}")
 
     def _fail_all(self, error: BaseException) -> None:
-        for state in list(self.output_processor.request_states.values()):
-            if state.queue is not None:
-                state.queue.put_nowait(error)
+        queues = {id(s.queue): s.queue for s in self.output_processor.request_states.values() if s.queue is not None}
+        for queue in queues.values():
+            queue.put_nowait(error)
         self.output_processor.request_states.clear()
+        self.output_processor.parent_requests.clear()
 
     def shutdown(self) -> None:
         if self.output_handler is not None and not self.output_handler.done():

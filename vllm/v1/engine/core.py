@@ -1,19 +1,36 @@
 """EngineCore: the scheduler and the worker in a loop; `step()` runs one schedule -> execute -> update cycle.
 
 It speaks only the engine-core protocol (vllm.v1.engine): EngineCoreRequests in, EngineCoreOutputs out.
+
+With async scheduling (SchedulerConfig.async_scheduling) `step()` is `step_with_batch_queue()`: up to two
+scheduled steps are in flight. Each call schedules and launches steps until two are queued, then waits for the
+oldest one's output and turns it into EngineCoreOutputs, so step N's host work (output copies, lists,
+update_from_output, the next schedule) overlaps step N+1 on the device.
+
+Invariants:
+- A step's output is processed before the step after next is scheduled (the queue is two deep), which is what
+  AsyncScheduler's placeholders and the runner's device-side token feed rely on.
+- `has_unfinished_requests()` stays true while a step is in flight, so callers keep stepping until the queue
+  has drained.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from vllm.config import VllmConfig
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.worker.async_output import AsyncModelRunnerOutput
 from vllm.v1.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
+
+_BATCH_QUEUE_SIZE = 2
 
 
 class EngineCore:
@@ -22,8 +39,12 @@ class EngineCore:
         self.worker = Worker(vllm_config)
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_kv_cache(num_blocks)
+        self.worker.compile_or_warm_up_model()
         self.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(vllm_config, num_blocks)
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler: Scheduler = scheduler_cls(vllm_config, num_blocks)
+        self.batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
@@ -34,12 +55,28 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
+        if self.async_scheduling:
+            return self.step_with_batch_queue()
         # NOTE: a step with only finished ids still runs, so the runner drops aborted requests' rows.
         if not self.scheduler.has_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         model_output = self.worker.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        queue = self.batch_queue
+        while len(queue) < _BATCH_QUEUE_SIZE and self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            has_tokens = scheduler_output.total_num_scheduled_tokens > 0
+            if has_tokens or scheduler_output.finished_req_ids:
+                queue.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
+            if not has_tokens:
+                break
+        if not queue:
+            return EngineCoreOutputs()
+        scheduler_output, future = queue.popleft()
+        return self.scheduler.update_from_output(scheduler_output, future.get_output())

@@ -3,6 +3,8 @@
 `add_request` validates and tokenizes before anything reaches the core, so a bad request raises ValueError and
 leaves every running request untouched. The core runs in this process (default) or, with
 `multiprocess_mode=True` / VLLM_ENABLE_V1_MULTIPROCESSING=1, in a child process behind the same client interface.
+A request with `n > 1` runs as n child requests in the core; `step()` returns RequestOutputs under the user's
+request id with one CompletionOutput per child (see vllm/v1/engine/parallel_sampling.py).
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class LLMEngine:
         return self.input_processor.process_inputs(request_id, prompt, params, arrival_time or time.time())
 
     def add_processed_request(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
-        self.output_processor.add_request(request, prompt_text)
-        self.engine_core.add_request(request)
+        """Track and send a processed request; with n > 1 it fans out into n child requests to the core."""
+        for core_request in self.output_processor.add_request(request, prompt_text):
+            self.engine_core.add_request(core_request)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -56,6 +59,7 @@ class LLMEngine:
         self.add_processed_request(request, prompt_text)
 
     def abort_request(self, request_ids: list[str]) -> None:
+        """Abort requests by user request id (an n > 1 request's id aborts all its children)."""
         request_ids = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(request_ids)
 

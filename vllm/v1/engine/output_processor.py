@@ -11,6 +11,9 @@ Invariants:
   returns masks when its engine-core outputs carry them (the engine flag is on and the request did not opt out).
 - A request finished by a stop string in the frontend (the engine core still runs it) is listed in
   `reqs_to_abort`; a finished request's state is dropped at once, later outputs for it are ignored.
+- An n > 1 request is tracked as n child states (engine-core ids `f"{i}_{request_id}"`) plus one ParentRequest
+  (vllm/v1/engine/parallel_sampling.py) that folds the children's outputs of a step into one RequestOutput under
+  the user's request id.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from vllm.transformers_utils.tokenizer import Tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.engine.logprobs import LogprobsProcessor
+from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.outputs import SamplingMaskLists
 
 
@@ -55,8 +59,12 @@ class RequestState:
     """Everything the frontend keeps for one running request."""
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, tokenizer: Tokenizer | None,
-                 queue: OutputQueue | None, log_stats: bool) -> None:
+                 queue: OutputQueue | None, log_stats: bool, parent: ParentRequest | None = None,
+                 index: int = 0) -> None:
         self.request_id = request.request_id
+        # The n > 1 request this one is child `index` of (None for an ordinary request).
+        self.parent = parent
+        self.index = index
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
         self.params: SamplingParams = request.sampling_params
@@ -89,8 +97,9 @@ class RequestState:
             self.sampling_masks = []
         self.sampling_masks.extend(masks[:num_kept])
 
-    def make_request_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
-                            stop_reason: int | str | None) -> RequestOutput | None:
+    def make_completion_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
+                               stop_reason: int | str | None) -> CompletionOutput | None:
+        """This step's CompletionOutput (None for FINAL_ONLY until the request finishes)."""
         finished = finish_reason is not None
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
@@ -108,8 +117,8 @@ class RequestState:
         if self.sampling_masks is not None:
             masks = self.sampling_masks[len(self.sampling_masks) - num_new:] if delta else list(self.sampling_masks)
             sampling_mask = SamplingMask(token_ids=masks)
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=self.index,
             text=text,
             token_ids=token_ids,
             cumulative_logprob=lp.cumulative_logprob,
@@ -118,13 +127,20 @@ class RequestState:
             stop_reason=stop_reason if finished else None,
             sampling_mask=sampling_mask,
         )
+
+    def make_request_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
+                            stop_reason: int | str | None) -> RequestOutput | None:
+        """This step's RequestOutput of a request without a parent (None when there is nothing to send)."""
+        completion = self.make_completion_output(new_token_ids, finish_reason, stop_reason)
+        if completion is None:
+            return None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=None,
             outputs=[completion],
-            finished=finished,
+            finished=finish_reason is not None,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.stats,
         )
@@ -140,44 +156,93 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Turns engine-core outputs into RequestOutputs for every request the frontend tracks."""
+    """Turns engine-core outputs into RequestOutputs for every request the frontend tracks.
+
+    `request_states` is keyed by engine-core request id (a child's id for n > 1); `parent_requests` by the
+    user's request id of each running n > 1 request.
+    """
 
     def __init__(self, tokenizer: Tokenizer | None, log_stats: bool) -> None:
         self.tokenizer = tokenizer
         self.log_stats = log_stats
         self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.request_states)
+        """Running user requests (an n > 1 request counts once)."""
+        return sum(1 for state in self.request_states.values() if state.parent is None) + len(self.parent_requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None, queue: OutputQueue | None = None) -> None:
-        if request.request_id in self.request_states:
-            raise ValueError(f"Request id {request.request_id!r} is already running; request ids must be unique.")
-        self.request_states[request.request_id] = RequestState(request, prompt, self.tokenizer, queue,
-                                                               self.log_stats)
+    def add_request(self, request: EngineCoreRequest, prompt: str | None,
+                    queue: OutputQueue | None = None) -> list[EngineCoreRequest]:
+        """Track a request; returns the engine-core requests to send: itself, or its n children when n > 1.
+
+        With n > 1 every child shares `queue`, which gets the parent's aggregated RequestOutputs.
+        """
+        request_id = request.request_id
+        if request_id in self.request_states or request_id in self.parent_requests:
+            raise ValueError(f"Request id {request_id!r} is already running; request ids must be unique.")
+        if request.sampling_params.n == 1:
+            self.request_states[request_id] = RequestState(request, prompt, self.tokenizer, queue, self.log_stats)
+            return [request]
+        parent = ParentRequest(request, prompt, queue)
+        children = parent.make_child_requests()
+        taken = [c.request_id for c in children if c.request_id in self.request_states]
+        if taken:
+            raise ValueError(f"Request id {taken[0]!r} (a child of {request_id!r}) is already running; request ids "
+                             "must be unique.")
+        self.parent_requests[request_id] = parent
+        for index, child in enumerate(children):
+            self.request_states[child.request_id] = RequestState(child, prompt, self.tokenizer, queue,
+                                                                 self.log_stats, parent, index)
+        return children
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget these requests; returns the ones that were running (to abort in the engine core).
+        """Forget these requests; returns the engine-core ids that were running (to abort in the engine core).
 
-        A request with a queue gets a final output (finish_reason "abort") so that its consumer stops waiting.
+        A user request id of an n > 1 request aborts all its running children. A request with a queue gets a
+        final output (finish_reason "abort") so that its consumer stops waiting.
         """
-        aborted: list[str] = []
+        engine_ids: list[str] = []
         for request_id in request_ids:
+            parent = self.parent_requests.get(request_id)
+            if parent is not None:
+                engine_ids.extend(c for c in parent.child_request_ids if c in parent.unfinished_children)
+            else:
+                engine_ids.append(request_id)
+        aborted: list[str] = []
+        touched: dict[str, ParentRequest] = {}
+        for request_id in engine_ids:
             state = self.request_states.pop(request_id, None)
             if state is None:
                 continue
             aborted.append(request_id)
-            if state.queue is not None:
+            if state.parent is not None:
+                completion = state.make_completion_output([], FinishReason.ABORT, None)
+                assert completion is not None
+                state.parent.add_child_output(request_id, completion)
+                touched[state.parent.request_id] = state.parent
+            elif state.queue is not None:
                 output = state.make_request_output([], FinishReason.ABORT, None)
                 if output is not None:
                     state.queue.put_nowait(output)
+        for parent in touched.values():
+            output = self._take_parent_output(parent)
+            if output is not None and parent.queue is not None:
+                parent.queue.put_nowait(output)
         return aborted
+
+    def _take_parent_output(self, parent: ParentRequest) -> RequestOutput | None:
+        output = parent.take_request_output()
+        if parent.finished:
+            self.parent_requests.pop(parent.request_id, None)
+        return output
 
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
         result = OutputProcessorOutput()
+        touched: dict[str, ParentRequest] = {}
         for eco in engine_core_outputs:
             state = self.request_states.get(eco.request_id)
             if state is None:
@@ -201,14 +266,28 @@ class OutputProcessor:
             state.append_sampling_masks(eco.new_sampling_mask, len(new_token_ids), num_kept)
             state.update_stats(num_kept)
 
-            output = state.make_request_output(kept_token_ids, finish_reason, stop_reason)
-            if output is not None:
-                if state.queue is not None:
-                    state.queue.put_nowait(output)
-                else:
-                    result.request_outputs.append(output)
+            if state.parent is not None:
+                completion = state.make_completion_output(kept_token_ids, finish_reason, stop_reason)
+                if completion is not None:
+                    state.parent.add_child_output(eco.request_id, completion, state.num_cached_tokens)
+                    touched[state.parent.request_id] = state.parent
+            else:
+                output = state.make_request_output(kept_token_ids, finish_reason, stop_reason)
+                if output is not None:
+                    self._deliver(output, state.queue, result)
             if finish_reason is not None:
                 del self.request_states[eco.request_id]
                 if not eco.finished:
                     result.reqs_to_abort.append(eco.request_id)
+        for parent in touched.values():
+            output = self._take_parent_output(parent)
+            if output is not None:
+                self._deliver(output, parent.queue, result)
         return result
+
+    @staticmethod
+    def _deliver(output: RequestOutput, queue: OutputQueue | None, result: OutputProcessorOutput) -> None:
+        if queue is not None:
+            queue.put_nowait(output)
+        else:
+            result.request_outputs.append(output)

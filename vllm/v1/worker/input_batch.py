@@ -3,6 +3,11 @@
 Rows are dense: a removed request's row is filled by moving the last row into it, so rows 0..num_reqs-1 are
 live. The runner keeps each request's token ids (prompt + every sampled token) so the scheduler only sends
 block ids and counts after a request's first step.
+
+A token sampled in a step is counted in `num_tokens` at once, but its value reaches `token_ids_cpu` only when
+the step's output is read back (ModelRunner.execute_model_async); until then `prev_sampled_idx` of the row
+says where it sits in the previous step's device tensor of sampled ids, from which the next step's input ids
+take it (so a step can start before the previous one's tokens are on the host).
 """
 
 from __future__ import annotations
@@ -43,11 +48,14 @@ class InputBatch:
         # -1 where the row asks for no logprobs.
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.wants_mask = np.zeros(max_num_reqs, dtype=bool)
+        self.seeded = np.zeros(max_num_reqs, dtype=bool)
         self.generators: dict[str, torch.Generator] = {}
+        # Index of the row's token in the previous step's sampled ids; -1 when the row did not sample there.
+        self.prev_sampled_idx = np.full(max_num_reqs, -1, dtype=np.int32)
 
         self._row_arrays = [self.token_ids_cpu, self.num_tokens, self.num_computed_tokens, self.block_table,
                             self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p, self.greedy,
-                            self.num_logprobs, self.wants_mask]
+                            self.num_logprobs, self.wants_mask, self.seeded, self.prev_sampled_idx]
 
     @property
     def num_reqs(self) -> int:
@@ -64,6 +72,7 @@ class InputBatch:
         self.num_tokens[row] = n_prompt + n_out
         self.num_computed_tokens[row] = req.num_computed_tokens
         self.num_blocks[row] = 0
+        self.prev_sampled_idx[row] = -1
         self.append_block_ids(row, req.block_ids)
         self._set_sampling_params(row, req.req_id, req.sampling_params, num_generated=n_out)
 
@@ -76,6 +85,7 @@ class InputBatch:
         self.min_p[row] = sp.min_p
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
         self.wants_mask[row] = self.return_sampling_mask and sp.return_sampling_mask is not False
+        self.seeded[row] = sp.seed is not None and not greedy
         if sp.seed is not None and not greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sp.seed)

@@ -1,12 +1,25 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass plus sampling, and returns ModelRunnerOutput.
 
-Each step is flattened into varlen metadata with vectorised numpy over the persistent InputBatch (no per-token
-Python loops): request i's scheduled tokens are rows query_start_loc[i]:query_start_loc[i+1] of the flat batch.
-Only rows whose scheduled tokens reach the end of their known tokens sample; a partial prefill chunk produces no
-token, no logprobs and an empty sampling-mask row.
+Each step is flattened into varlen metadata with vectorised numpy over the persistent InputBatch, in persistent
+host/device buffers (input_prep.py): request i's scheduled tokens are rows query_start_loc[i]:query_start_loc[i+1]
+of the flat batch. Only rows whose scheduled tokens reach the end of their known tokens sample; a partial prefill
+chunk produces no token, no logprobs and an empty sampling-mask row.
+
+Step shape: prepare inputs (H2D copies) -> forward (a CUDA graph for pure-decode steps, cudagraph.py) -> logits
+-> sampler -> outputs start their way to the host (async_output.py). `execute_model_async` returns before the
+outputs are on the host; the sampled ids stay on the device and feed the next step's input ids directly, so the
+next step can be launched first.
+
+Invariants:
+- The KV cache has one block more than the scheduler knows of (index num_blocks): the scratch block that the
+  padding rows of a CUDA-graph batch write to and read from.
+- A sampled token is counted in InputBatch.num_tokens when it is sampled; its value reaches token_ids_cpu when
+  its step's output is read back (`get_output()`), which the engine does before it schedules two steps later.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import torch
@@ -16,13 +29,17 @@ from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
 from vllm.v1.attention.backends.abstract import AttentionMetadata
+from vllm.v1.attention.ops.triton_unified_attention import num_splits_for_cudagraph
 from vllm.v1.attention.layer import set_attn_backend
 from vllm.v1.attention.selector import get_attn_backend
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SamplingMaskLists
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.sample.sampler import Sampler
+from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.worker.async_output import AsyncModelRunnerOutput, AsyncOutputCopier
+from vllm.v1.worker.cudagraph import CudaGraphManager, resolve_capture_sizes
 from vllm.v1.worker.input_batch import InputBatch
+from vllm.v1.worker.input_prep import InputBuffers, StepInputs
 
 
 class ModelRunner:
@@ -50,7 +67,19 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req,
                                       self.vocab_size, self.device, self.return_sampling_mask)
         self.kv_caches: list[torch.Tensor] = []
-        self._arange_np = np.arange(max(self.max_num_tokens, self.max_model_len) + 1, dtype=np.int64)
+        self.input_buffers = InputBuffers(self.max_num_reqs, self.max_num_tokens, self.max_model_len,
+                                          self.max_num_blocks_per_req, self.block_size, 0, self.device)
+        self.cudagraphs = CudaGraphManager(resolve_capture_sizes(
+            mc.cudagraph_capture_sizes, self.max_num_reqs, self.max_num_tokens))
+        self.use_cuda_graph = (self.device.type == "cuda" and not mc.enforce_eager
+                               and self.attn_backend.name == "TRITON")
+        # NOTE: tests set this to run decode steps padded exactly as for a CUDA graph, but eagerly (e.g. on CPU).
+        self.pad_eager_decode = False
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self.output_copier = AsyncOutputCopier(self.device, self.max_num_reqs, mc.max_logprobs,
+                                               use_thread=self.async_scheduling)
+        # [num_reqs of the previous sampling step] int64, on the device
+        self._prev_sampled: torch.Tensor | None = None
 
     # ---- KV cache -------------------------------------------------------------------------------------------
 
@@ -59,8 +88,29 @@ class ModelRunner:
         return 2 * self.block_size * self.num_kv_heads * self.head_size * elem * self.num_layers
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        """num_blocks blocks for requests plus the scratch block (index num_blocks) for padding rows."""
+        shape = (2, num_blocks + 1, self.block_size, self.num_kv_heads, self.head_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.input_buffers.scratch_block = num_blocks
+
+    def _graph_num_splits(self, num_rows: int) -> int | None:
+        if self.attn_backend.name != "TRITON":
+            return None
+        return num_splits_for_cudagraph(num_rows, self.max_model_len, self.num_kv_heads)
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture the decode CUDA graphs (after the KV cache exists); a no-op when graphs are off."""
+        if not self.use_cuda_graph or not self.cudagraphs.capture_sizes:
+            return
+        buffers = self.input_buffers
+
+        def forward(num_rows: int) -> torch.Tensor:
+            md = buffers.decode_metadata(num_rows, self._graph_num_splits(num_rows), self.max_model_len)
+            with set_forward_context(md, self.kv_caches):
+                return self.model(buffers.input_ids.gpu[:num_rows], buffers.positions.gpu[:num_rows])
+
+        self.cudagraphs.capture(forward, buffers.fill_dummy_decode)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -111,84 +161,81 @@ class ModelRunner:
             if new_blocks:
                 batch.append_block_ids(row, new_blocks)
 
-    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(arr)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(so).get_output()
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch one step; the returned object's `get_output()` waits for its host-side results."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return AsyncModelRunnerOutput.ready(EMPTY_MODEL_RUNNER_OUTPUT)
+        num_reqs = len(so.num_scheduled_tokens)
+        pad_to = None
+        if so.total_num_scheduled_tokens == num_reqs and (self.use_cuda_graph or self.pad_eager_decode):
+            pad_to = self.cudagraphs.padded_size(num_reqs)
+        buffers = self.input_buffers
+        inputs = buffers.prepare(self.input_batch, so, pad_to,
+                                 self._graph_num_splits(pad_to) if pad_to is not None else None)
+        buffers.apply_prev_sampled(self._prev_sampled)
+        meta = self._sampling_metadata(inputs)
+        buffers.record_copies()
+        hidden = self._forward(inputs)  # [num_reqs, hidden_size]
+        logits = self.model.compute_logits(hidden).float()  # [num_reqs, V] float32
+        return self._finish_step(inputs, self.sampler(logits, meta))
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of each request's last scheduled token: [num_reqs, hidden_size]."""
+        n = inputs.num_reqs
+        if inputs.num_padded is not None and self.use_cuda_graph and inputs.num_padded in self.cudagraphs.graphs:
+            return self.cudagraphs.replay(inputs.num_padded)[:n]
+        with set_forward_context(inputs.attn_metadata, self.kv_caches):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        return hidden[:n] if inputs.num_padded is not None else hidden[inputs.logits_indices]
+
+    def _finish_step(self, inputs: StepInputs, out: SamplerOutput) -> AsyncModelRunnerOutput:
         batch = self.input_batch
-        # The step's requests, in row order.
-        req_ids = [r for r in batch.req_ids if r in so.num_scheduled_tokens]
-        rows = np.array([batch.req_id_to_index[r] for r in req_ids], dtype=np.int64)
-        num_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
-        num_reqs, total = len(req_ids), int(num_sched.sum())
-
-        cu = np.cumsum(num_sched)
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        query_start_loc[1:] = cu
-        req_indices = np.repeat(rows, num_sched)  # [total] batch row of each token
-        offsets = self._arange_np[:total] - np.repeat(cu - num_sched, num_sched)
-        computed = batch.num_computed_tokens[rows].astype(np.int64)
-        positions = np.repeat(computed, num_sched) + offsets  # [total]
-        input_ids = batch.token_ids_cpu[req_indices, positions].astype(np.int64)
-        block_ids = batch.block_table[req_indices, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
-        seq_lens = (computed + num_sched).astype(np.int32)
-        # Rows whose tokens reach the end of what is known sample a new token.
-        samples = seq_lens == batch.num_tokens[rows]
-
-        md = AttentionMetadata(
-            num_actual_tokens=total, num_reqs=num_reqs, max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=self._to_device(query_start_loc), seq_lens=self._to_device(seq_lens),
-            block_table=self._to_device(np.ascontiguousarray(batch.block_table[rows])),
-            slot_mapping=self._to_device(slot_mapping),
-            query_start_loc_cpu=torch.from_numpy(query_start_loc), seq_lens_cpu=torch.from_numpy(seq_lens))
-        with set_forward_context(md, self.kv_caches):
-            hidden = self.model(self._to_device(input_ids), self._to_device(positions))
-        logits_indices = self._to_device((cu - 1).astype(np.int64))
-        logits = self.model.compute_logits(hidden[logits_indices]).float()  # [num_reqs, V] float32
-
-        meta = self._sampling_metadata(rows, req_ids, samples)
-        out = self.sampler(logits, meta)
-        sampled = out.sampled_token_ids.cpu().numpy()
-
-        # Record the new tokens in the persistent batch (the next step's inputs).
-        sample_rows = rows[samples]
-        batch.token_ids_cpu[sample_rows, batch.num_tokens[sample_rows]] = sampled[samples]
+        sample_idx = np.flatnonzero(inputs.samples)  # [num_sampled] index into the step's requests
+        sample_rows = inputs.rows[sample_idx]
+        positions = batch.num_tokens[sample_rows].astype(np.int64)
+        # Count each sampled token now; its value reaches token_ids_cpu in _write_sampled.
         batch.num_tokens[sample_rows] += 1
-        sampled_token_ids = [[int(t)] if s else [] for t, s in zip(sampled.tolist(), samples.tolist())]
+        batch.prev_sampled_idx[:batch.num_reqs] = -1
+        batch.prev_sampled_idx[sample_rows] = sample_idx
+        self._prev_sampled = out.sampled_token_ids
+        req_ids = inputs.req_ids
+        sampled_req_ids = [req_ids[i] for i in sample_idx.tolist()]
+        on_ready = partial(self._write_sampled, sampled_req_ids, positions, sample_idx)
+        return self.output_copier.submit(req_ids, inputs.samples, out.sampled_token_ids, out.logprobs_tensors,
+                                         out.sampling_mask, on_ready)
 
-        logprobs = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
-        masks: SamplingMaskLists | None = None
-        if out.sampling_mask is not None:
-            masks = out.sampling_mask.to_cpu_nonblocking().tolists()
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled_token_ids, logprobs=logprobs, sampling_masks=masks)
-
-    def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str], samples: np.ndarray) -> SamplingMetadata:
+    def _write_sampled(self, req_ids: list[str], positions: np.ndarray, sample_idx: np.ndarray,
+                       sampled: np.ndarray) -> None:
+        """Record a step's sampled token values in the rows still holding their requests."""
         batch = self.input_batch
+        index = batch.req_id_to_index
+        rows = np.fromiter((index.get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        ok = (rows >= 0) & (positions < self.max_model_len)
+        batch.token_ids_cpu[rows[ok], positions[ok]] = sampled[sample_idx[ok]]
+
+    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+        batch, buffers = self.input_batch, self.input_buffers
+        rows, samples = inputs.rows, inputs.samples
         greedy = batch.greedy[rows]
         all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
         top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
         num_logprobs = batch.num_logprobs[rows]
         wants_mask = batch.wants_mask[rows] & samples
-        use_top_k = bool((top_k < self.vocab_size).any())
-        generators = {i: batch.generators[r] for i, r in enumerate(req_ids)
-                      if samples[i] and r in batch.generators}
+        seeded = np.flatnonzero(batch.seeded[rows] & samples)
+        generators = {i: batch.generators[inputs.req_ids[i]] for i in seeded.tolist()}
         return SamplingMetadata(
-            temperature=None if all_greedy else self._to_device(batch.temperature[rows]),
+            temperature=None if all_greedy else buffers.sampling_tensor(buffers.temperature, batch.temperature[rows]),
             all_greedy=all_greedy, all_random=all_random,
-            top_p=self._to_device(top_p) if bool((top_p < 1.0).any()) else None,
-            top_k=self._to_device(top_k) if use_top_k else None,
-            min_p=self._to_device(min_p) if bool((min_p > 0.0).any()) else None,
+            top_p=buffers.sampling_tensor(buffers.top_p, top_p) if bool((top_p < 1.0).any()) else None,
+            top_k=buffers.sampling_tensor(buffers.top_k, top_k) if bool((top_k < self.vocab_size).any()) else None,
+            min_p=buffers.sampling_tensor(buffers.min_p, min_p) if bool((min_p > 0.0).any()) else None,
             generators=generators,
             max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
             max_top_k=int(top_k.max()),
-            sampling_mask_rows=self._to_device(wants_mask.astype(np.int32)) if bool(wants_mask.any()) else None)
+            sampling_mask_rows=buffers.sampling_tensor(buffers.sampling_mask_rows, wants_mask)
+            if bool(wants_mask.any()) else None)

@@ -2,7 +2,8 @@
 
 On CUDA the budget is gpu_memory_utilization of the device's memory minus what the weights and a profiled peak
 of activations take; on CPU it is kv_cache_memory_bytes (default VLLM_CPU_KVCACHE_SPACE GiB). Either way the
-cache never holds more blocks than max_num_seqs full-length requests need.
+cache never holds more blocks than max_num_seqs full-length requests need. One more block than reported is
+allocated: the model runner's scratch block for CUDA-graph padding rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.async_output import AsyncModelRunnerOutput
 from vllm.v1.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class Worker:
             torch.cuda.empty_cache()
         else:
             budget = int(envs.VLLM_CPU_KVCACHE_SPACE * (1 << 30))
-        num_blocks = min(budget // per_block, max_useful)
+        num_blocks = min(budget // per_block - 1, max_useful)  # NOTE: one block is the runner's scratch block
         if num_blocks < runner.max_num_blocks_per_req and num_blocks < max_useful:
             min_bytes = per_block * runner.max_num_blocks_per_req
             raise ValueError(
@@ -63,5 +65,12 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
+    def compile_or_warm_up_model(self) -> None:
+        """Capture the decode CUDA graphs (CUDA without enforce_eager); call after initialize_kv_cache."""
+        self.model_runner.capture_model()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        return self.model_runner.execute_model_async(scheduler_output)

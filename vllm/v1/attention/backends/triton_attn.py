@@ -3,15 +3,27 @@
 Serves prefill chunks and decodes in the same batch with no host syncs (grid sizes come from the metadata's
 ints), so it can be captured in CUDA graphs. Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 for
 tests. Output rows past num_actual_tokens are left unwritten.
+
+A CUDA graph is captured once per decode batch size and replayed for any context length, so its metadata
+(TritonAttentionMetadata) fixes num_splits; the kernel bounds its key loop by each request's seq_lens at run
+time, so one split count serves every length.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from vllm.v1.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from vllm.v1.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata(AttentionMetadata):
+    # Split-KV factor for decode (a power of two); None lets the kernel wrapper choose from the batch shape.
+    num_splits: int | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -33,4 +45,5 @@ class TritonAttentionBackend(AttentionBackend):
         return unified_attention(
             query, key_cache, value_cache, output,
             attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table,
-            scale, n, attn_metadata.num_reqs, attn_metadata.max_query_len, attn_metadata.max_seq_len)
+            scale, n, attn_metadata.num_reqs, attn_metadata.max_query_len, attn_metadata.max_seq_len,
+            num_splits=getattr(attn_metadata, "num_splits", None))

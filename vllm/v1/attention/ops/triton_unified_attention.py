@@ -200,6 +200,12 @@ def _choose_num_splits(max_query_len: int, max_seq_len: int, num_reqs: int, num_
     return splits
 
 
+def num_splits_for_cudagraph(num_reqs: int, max_model_len: int, num_kv_heads: int) -> int:
+    """The split-KV factor of a decode batch of num_reqs rows captured once for every context length: the one
+    the heuristic picks at max_model_len (shorter contexts leave some splits without tiles, which exit)."""
+    return _choose_num_splits(1, max_model_len, num_reqs, num_kv_heads, TILE_N, None)
+
+
 def unified_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]

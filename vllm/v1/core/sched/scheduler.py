@@ -117,8 +117,7 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget,
-                                 self.max_model_len - request.num_computed_tokens)
+            num_new_tokens = self._num_new_tokens(request, token_budget)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -144,8 +143,7 @@ class Scheduler:
         if num_preempted == 0:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget,
-                                     self.max_model_len - request.num_computed_tokens)
+                num_new_tokens = self._num_new_tokens(request, token_budget)
                 assert num_new_tokens > 0
                 if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                     break
@@ -167,8 +165,7 @@ class Scheduler:
         total_num_scheduled_tokens = self.max_num_batched_tokens - token_budget
         assert len(self.running) <= self.max_num_seqs
         assert total_num_scheduled_tokens == sum(num_scheduled_tokens.values())
-        for request in scheduled:
-            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        self._update_after_schedule(scheduled, num_scheduled_tokens)
         self._step_num_preemptions = num_preempted
 
         scheduler_output = SchedulerOutput(
@@ -180,6 +177,21 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return scheduler_output
+
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        """Tokens to compute for `request` this step (<= 0: none)."""
+        return min(request.num_tokens - request.num_computed_tokens, token_budget,
+                   self.max_model_len - request.num_computed_tokens)
+
+    def _update_after_schedule(self, scheduled: list[Request], num_scheduled_tokens: dict[str, int]) -> None:
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+
+    def _accept_sampled(self, request: Request, sampled: list[int]) -> bool:
+        """Whether a step's sampled tokens for `request` become its output tokens."""
+        # NOTE: a partial prefill has num_computed_tokens < num_tokens; anything it sampled is discarded.
+        return (request.status == RequestStatus.RUNNING and bool(sampled)
+                and request.num_computed_tokens >= request.num_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -202,13 +214,13 @@ class Scheduler:
 
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.is_finished():
                 # Aborted (or otherwise finished) after this step was scheduled.
                 continue
             req_idx = model_runner_output.req_id_to_index[req_id]
             sampled = model_runner_output.sampled_token_ids[req_idx]
-            # NOTE: a partial prefill has num_computed_tokens < num_tokens; anything it sampled is discarded.
-            if not sampled or request.num_computed_tokens < request.num_tokens:
+            was_running = request.status == RequestStatus.RUNNING
+            if not self._accept_sampled(request, sampled):
                 continue
 
             new_token_ids: list[int] = []
@@ -234,6 +246,8 @@ class Scheduler:
 
             if request.is_finished():
                 stopped.append(request)
+                if not was_running:
+                    self.waiting.remove(request)
             outputs.append(EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_token_ids,

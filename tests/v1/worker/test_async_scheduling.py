@@ -1,0 +1,145 @@
+"""Async scheduling (two-deep batch queue, output placeholders, sampled ids fed on the device) must not change
+any result: the same prompts give the same tokens, finish reasons, logprobs and sampling masks with it on and
+off, through preemption, chunked prefill, seeds, stop conditions, CUDA-graph padding and aborts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.outputs import RequestOutput
+
+PROMPTS = ["The function", "A module is", "In Python, a list", "Return the", "class", "import os\n",
+           "The default value of", "Raises an exception", "An integer", "The string"]
+
+
+def _summary(outs: list[RequestOutput]) -> list[tuple[Any, ...]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, o.outputs[0].text)
+            for o in outs]
+
+
+def _engine_core(llm: LLM) -> Any:
+    return llm.llm_engine.engine_core.engine_core
+
+
+@pytest.fixture(scope="module")
+def llms() -> dict[bool, LLM]:
+    return {flag: LLM(device="cpu", max_num_seqs=8, max_model_len=128, async_scheduling=flag)
+            for flag in (False, True)}
+
+
+def test_async_flag_selects_the_batch_queue(llms: dict[bool, LLM]) -> None:
+    assert not _engine_core(llms[False]).async_scheduling
+    core = _engine_core(llms[True])
+    assert core.async_scheduling and type(core.scheduler).__name__ == "AsyncScheduler"
+
+
+def test_greedy_stops_and_lengths_match(llms: dict[bool, LLM]) -> None:
+    sync = llms[False]
+    free = sync.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)
+    # Stop on a token that shows up mid-way, with different max_tokens per request (10 requests > 8 seqs).
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + i, ignore_eos=True,
+                             stop_token_ids=[free[i % 4].outputs[0].token_ids[2]]) for i in range(10)]
+    results = {flag: llm.generate(PROMPTS, params, use_tqdm=False) for flag, llm in llms.items()}
+    assert _summary(results[True]) == _summary(results[False])
+    for out, p in zip(results[True], params):
+        ids = out.outputs[0].token_ids
+        assert len(ids) <= p.max_tokens
+        if out.outputs[0].finish_reason == "stop":
+            assert ids[-1] in p.stop_token_ids and not set(ids[:-1]) & set(p.stop_token_ids)
+    for llm in llms.values():
+        core = _engine_core(llm)
+        assert not core.has_unfinished_requests() and not core.batch_queue
+        assert core.scheduler.kv_cache_manager.usage == 0
+
+
+def test_seeded_logprobs_and_masks_match() -> None:
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i, max_tokens=10, logprobs=3,
+                             ignore_eos=True) for i in range(5)]
+    results = {}
+    for flag in (False, True):
+        llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=flag,
+                  return_sampling_mask=True, logprobs_mode="processed_logprobs")
+        results[flag] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
+    for a, b in zip(results[False], results[True]):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids and len(ca.token_ids) == 10
+        assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
+        assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
+            [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]
+        for token, support in zip(cb.token_ids, cb.sampling_mask.token_ids):
+            assert token in support and len(support) <= 20
+
+
+@pytest.mark.parametrize("pad_decode", [False, True])
+def test_preemption_and_chunked_prefill_match(pad_decode: bool) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    results, preempted = {}, {}
+    for flag in (False, True):
+        # 12 blocks of 4 tokens cannot hold 8 growing requests; 8-token steps chunk every prompt.
+        llm = LLM(device="cpu", max_num_seqs=8, max_model_len=32, block_size=4, num_gpu_blocks_override=12,
+                  max_num_batched_tokens=8, async_scheduling=flag)
+        core = _engine_core(llm)
+        runner = core.worker.model_runner
+        runner.pad_eager_decode = pad_decode
+        sched, names = core.scheduler, []
+        original = sched._preempt
+        sched._preempt = lambda req, o=original, n=names: (n.append(req.request_id), o(req))[1]
+        results[flag] = llm.generate(PROMPTS[:8], greedy, use_tqdm=False)
+        preempted[flag] = names
+        assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 12
+        assert not core.batch_queue and runner.input_batch.num_reqs <= 8
+    assert preempted[False] and preempted[True], "the KV budget was meant to force preemption"
+    assert _summary(results[True]) == _summary(results[False])
+
+
+def test_abort_mid_flight_matches() -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for flag in (False, True):
+        engine = LLM(device="cpu", max_num_seqs=4, max_model_len=64, async_scheduling=flag).llm_engine
+        for i in range(4):
+            engine.add_request(str(i), PROMPTS[i], greedy)
+        finished: dict[str, Any] = {}
+        num_steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+            num_steps += 1
+            if num_steps == 4:
+                engine.abort_request(["1"])
+        core = engine.engine_core.engine_core
+        assert core.scheduler.kv_cache_manager.usage == 0 and not core.scheduler.requests
+        results[flag] = finished
+    assert results[True] == results[False]
+    assert set(results[True]) == {"0", "2", "3"} and all(len(v[0]) == 12 for v in results[True].values())
+
+
+def test_next_step_launches_before_previous_tokens_reach_the_host() -> None:
+    llm = LLM(device="cpu", max_num_seqs=4, max_model_len=64, async_scheduling=True)
+    core = _engine_core(llm)
+    runner = core.worker.model_runner
+    in_flight: list[int] = []
+    fed_from_device: list[int] = []
+    execute = core.worker.execute_model_async
+
+    def spy(so: Any) -> Any:
+        in_flight.append(len(core.batch_queue))
+        batch = runner.input_batch
+        rows = [batch.req_id_to_index[r] for r in so.num_scheduled_tokens if r in batch.req_id_to_index]
+        # Rows whose newest token exists only on the device when this step is launched.
+        fed_from_device.append(sum(int(batch.prev_sampled_idx[r] >= 0) for r in rows))
+        return execute(so)
+
+    core.worker.execute_model_async = spy
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
+    ref = LLM(device="cpu", max_num_seqs=4, max_model_len=64, async_scheduling=False).generate(
+        PROMPTS[:2], greedy, use_tqdm=False)
+    assert _summary(outs) == _summary(ref)
+    assert max(in_flight) == 1, "a step must be launched while the previous one is still in flight"
+    assert sum(fed_from_device) >= 2 * 4

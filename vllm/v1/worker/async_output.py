@@ -1,0 +1,133 @@
+"""Async output: a step's sampler outputs go to the host behind the device, and become lists in a thread.
+
+`AsyncOutputCopier.submit` runs right after the sampler is launched: on CUDA it queues the device-to-host
+copies (sampled ids, logprobs) on a side stream that first waits for the compute stream, records an event,
+starts the sampling mask's own non-blocking copy, and hands the list building to a one-thread executor. The
+caller gets an AsyncModelRunnerOutput at once; `get_output()` blocks until the lists are ready.
+
+Invariants:
+- Host buffers are pinned and preallocated, in two slots used alternately: a slot is reused two steps later,
+  after the engine has called `get_output()` of the step that used it (the batch queue is two deep).
+- The device tensors stay referenced until `get_output()` returned, so the allocator cannot reuse their memory
+  before the side-stream copies read it.
+- On CPU there are no streams: the lists are built from the tensors themselves, in the thread when asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
+
+
+class AsyncModelRunnerOutput:
+    """A ModelRunnerOutput that may still be on its way to the host."""
+
+    def __init__(self, future: Future[tuple[ModelRunnerOutput, np.ndarray]] | None,
+                 output: ModelRunnerOutput | None = None, on_ready: Callable[[np.ndarray], None] | None = None,
+                 keep_alive: Any = None) -> None:
+        self._future = future
+        self._output = output
+        self._on_ready = on_ready
+        self._keep_alive = keep_alive
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
+        return cls(None, output)
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            assert self._future is not None
+            self._output, sampled = self._future.result()
+            self._future = None
+            self._keep_alive = None
+            if self._on_ready is not None:
+                self._on_ready(sampled)
+                self._on_ready = None
+        return self._output
+
+
+class _HostSlot:
+    def __init__(self, max_num_reqs: int, max_logprob_cols: int, pin: bool) -> None:
+        n = max_num_reqs * max_logprob_cols
+        self.sampled = torch.empty(max_num_reqs, dtype=torch.int64, pin_memory=pin)
+        self.logprob_token_ids = torch.empty(n, dtype=torch.int32, pin_memory=pin)
+        self.logprobs = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+        self.ranks = torch.empty(max_num_reqs, dtype=torch.int32, pin_memory=pin)
+        self.event = torch.cuda.Event() if pin else None
+
+
+def _copy_to_host(host: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Non-blocking copy of `src` into the front of the flat pinned `host` (a fresh pinned tensor if too small)."""
+    if src.numel() <= host.numel() and src.dtype == host.dtype:
+        dst = host[:src.numel()].view(src.shape)
+    else:
+        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    dst.copy_(src, non_blocking=True)
+    return dst
+
+
+class AsyncOutputCopier:
+    def __init__(self, device: torch.device, max_num_reqs: int, max_num_logprobs: int, use_thread: bool) -> None:
+        self.device = device
+        on_cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device=device) if on_cuda else None
+        self._slots = [_HostSlot(max_num_reqs, max_num_logprobs + 1, on_cuda) for _ in range(2)] if on_cuda else []
+        self._next_slot = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-output") if use_thread else None
+
+    def submit(self, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor, logprobs: Any,
+               sampling_mask: Any, on_ready: Callable[[np.ndarray], None]) -> AsyncModelRunnerOutput:
+        """Start moving one step's outputs to the host. `sampled` is [num_reqs] int64 on the device, `logprobs`
+        a LogprobsTensors or None, `sampling_mask` the sampler's mask (with `to_cpu_nonblocking`) or None.
+        `on_ready(sampled_np)` runs in the caller's thread when `get_output()` first returns."""
+        event = None
+        host_sampled, host_logprobs = sampled, logprobs
+        if self.copy_stream is not None:
+            slot = self._slots[self._next_slot]
+            self._next_slot ^= 1
+            compute = torch.cuda.current_stream(self.device)
+            self.copy_stream.wait_stream(compute)
+            with torch.cuda.stream(self.copy_stream):
+                host_sampled = _copy_to_host(slot.sampled, sampled)
+                if logprobs is not None:
+                    host_logprobs = type(logprobs)(_copy_to_host(slot.logprob_token_ids, logprobs[0]),
+                                                   _copy_to_host(slot.logprobs, logprobs[1]),
+                                                   _copy_to_host(slot.ranks, logprobs[2]))
+                event = slot.event
+                event.record(self.copy_stream)
+        mask_copy = sampling_mask.to_cpu_nonblocking() if sampling_mask is not None else None
+        args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy)
+        keep_alive = (sampled, logprobs, sampling_mask)
+        if self._executor is None:
+            output, sampled_np = _build_output(*args)
+            on_ready(sampled_np)
+            return AsyncModelRunnerOutput.ready(output)
+        future = self._executor.submit(_build_output, *args)
+        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Event | None,
+                  sampled: torch.Tensor, logprobs: Any, mask_copy: Any) -> tuple[ModelRunnerOutput, np.ndarray]:
+    if event is not None:
+        event.synchronize()
+    sampled_np = sampled.numpy()
+    sampled_token_ids = [[t] if s else [] for t, s in zip(sampled_np.tolist(), samples.tolist())]
+    logprobs_lists: LogprobsLists | None = None
+    if logprobs is not None:
+        # NOTE: copied out of the pinned slot, which the step after next overwrites.
+        lists = logprobs.tolists()
+        logprobs_lists = LogprobsLists(*(np.array(a) for a in lists[:3]), lists.cu_num_generated_tokens)
+    masks: SamplingMaskLists | None = mask_copy.tolists() if mask_copy is not None else None
+    output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                               sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks)
+    return output, sampled_np

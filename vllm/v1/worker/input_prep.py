@@ -1,0 +1,216 @@
+"""Step input preparation: one step's flat varlen inputs, built in persistent host and device buffers.
+
+Every buffer is a CpuGpuBuffer: a host tensor (pinned on CUDA) with a numpy view that input preparation fills
+with vectorised numpy, and a device tensor that receives one non_blocking copy per step. On CPU the two are
+the same tensor and nothing is copied.
+
+Invariants:
+- The step's requests are taken in the scheduler's order (`SchedulerOutput.num_scheduled_tokens`); request i
+  owns flat tokens query_start_loc[i]:query_start_loc[i+1].
+- The host buffers are rewritten only after the previous step's copies ran (`prepare` waits on the event it
+  records after them), so a step may be prepared while the previous one is still on the device.
+- With `pad_to=B` (a pure-decode step run as a CUDA graph of B rows), rows num_reqs..B-1 are padding: one
+  token each, input id 0 at position 0, written to the scratch slot, seq_len 1, block-table column 0 = the
+  scratch block. Their attention touches only that block, which no request owns.
+- A row that sampled in the previous step has that token only on the device: its one scheduled token (the
+  newest) takes its input id from the previous step's sampled ids (`apply_prev_sampled`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.worker.input_batch import InputBatch
+
+
+class CpuGpuBuffer:
+    """A host tensor (+ numpy view) and its device twin; on CPU they are one tensor."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.np: np.ndarray = self.cpu.numpy()
+        self.gpu = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
+
+    def copy_to_gpu(self, n: int) -> torch.Tensor:
+        """Copy the first n rows to the device (non_blocking) and return the device view."""
+        if self.gpu is self.cpu:
+            return self.cpu[:n]
+        return self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    req_ids: list[str]
+    # [num_reqs] int64: batch row of each of the step's requests
+    rows: np.ndarray
+    # [num_reqs] int64
+    num_scheduled: np.ndarray
+    # [num_reqs] bool: the request's tokens reach its last known token, so it samples
+    samples: np.ndarray
+    num_actual_tokens: int
+    # Rows (and tokens) of the padded batch; == num_reqs without padding.
+    num_padded: int | None
+    attn_metadata: TritonAttentionMetadata
+    # [num_input_tokens] int64 each, on the device (num_input_tokens = num_padded or num_actual_tokens)
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    # [num_reqs] int64, on the device: the flat row of each request's last token
+    logits_indices: torch.Tensor
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class InputBuffers:
+    """The persistent buffers of step inputs and sampling settings, and the code that fills them."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_model_len: int, max_num_blocks_per_req: int,
+                 block_size: int, scratch_block: int, device: torch.device) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.max_num_reqs = max_num_reqs
+        buf = lambda *shape, dtype: CpuGpuBuffer(*shape, dtype=dtype, device=device)  # noqa: E731
+        self.input_ids = buf(max_num_tokens, dtype=torch.int64)
+        self.positions = buf(max_num_tokens, dtype=torch.int64)
+        self.slot_mapping = buf(max_num_tokens, dtype=torch.int64)
+        self.query_start_loc = buf(max_num_reqs + 1, dtype=torch.int32)
+        self.seq_lens = buf(max_num_reqs, dtype=torch.int32)
+        self.block_table = buf(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32)
+        self.logits_indices = buf(max_num_reqs, dtype=torch.int64)
+        # Previous-step sampled ids -> this step's input ids: source index and destination flat row.
+        self.prev_src = buf(max_num_reqs, dtype=torch.int64)
+        self.prev_dst = buf(max_num_reqs, dtype=torch.int64)
+        # Sampling settings, [max_num_reqs] each.
+        self.temperature = buf(max_num_reqs, dtype=torch.float32)
+        self.top_p = buf(max_num_reqs, dtype=torch.float32)
+        self.top_k = buf(max_num_reqs, dtype=torch.int32)
+        self.min_p = buf(max_num_reqs, dtype=torch.float32)
+        self.sampling_mask_rows = buf(max_num_reqs, dtype=torch.int32)
+        self._arange_np = np.arange(max(max_num_tokens, max_model_len, max_num_reqs) + 1, dtype=np.int64)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        # Rows of the last prepared step that take their newest input id from the previous step's sampled ids.
+        self._num_cont = 0
+
+    def wait_for_copies(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def record_copies(self) -> None:
+        if self._copied is not None:
+            self._copied.record()
+
+    def prepare(self, batch: InputBatch, so: SchedulerOutput, pad_to: int | None,
+                num_splits: int | None) -> StepInputs:
+        """Fill the buffers for `so` (padded to `pad_to` rows for a decode step) and copy them to the device."""
+        self.wait_for_copies()
+        num_reqs = len(so.num_scheduled_tokens)
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.fromiter(map(batch.req_id_to_index.__getitem__, req_ids), dtype=np.int64, count=num_reqs)
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1])
+        if pad_to is not None and (total != num_reqs or pad_to < num_reqs):
+            raise ValueError(f"Only a pure-decode step of at most {pad_to} requests can be padded to {pad_to}.")
+        num_rows = pad_to if pad_to is not None else num_reqs
+        num_tokens = pad_to if pad_to is not None else total
+
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        qsl[1:num_reqs + 1] = cu
+        starts = cu - num_sched  # [num_reqs]
+        req_indices = np.repeat(rows, num_sched)  # [total] batch row of each token
+        computed = batch.num_computed_tokens[rows].astype(np.int64)  # [num_reqs]
+        positions = self.positions.np[:total]
+        np.add(np.repeat(computed - starts, num_sched), self._arange_np[:total], out=positions)
+        self.input_ids.np[:total] = batch.token_ids_cpu[req_indices, positions]
+        block_ids = batch.block_table[req_indices, positions // self.block_size].astype(np.int64)
+        np.add(block_ids * self.block_size, positions % self.block_size, out=self.slot_mapping.np[:total])
+        seq_lens = self.seq_lens.np[:num_reqs]
+        np.add(computed, num_sched, out=seq_lens, casting="unsafe")
+        np.take(batch.block_table, rows, axis=0, out=self.block_table.np[:num_reqs])
+        self.logits_indices.np[:num_reqs] = cu - 1
+        samples = seq_lens == batch.num_tokens[rows]  # [num_reqs] bool
+
+        if num_rows > num_reqs:
+            pad = slice(num_reqs, num_rows)
+            qsl[num_reqs + 1:num_rows + 1] = total + self._arange_np[1:num_rows - num_reqs + 1]
+            self.input_ids.np[pad] = 0
+            self.positions.np[pad] = 0
+            self.slot_mapping.np[pad] = self.scratch_block * self.block_size
+            self.seq_lens.np[pad] = 1
+            self.block_table.np[pad, 0] = self.scratch_block
+
+        # Rows that sampled in the previous step: their newest token is the one scheduled now.
+        prev_idx = batch.prev_sampled_idx[rows]  # [num_reqs] int32
+        newest = batch.num_tokens[rows].astype(np.int64) - 1 - computed  # offset of the newest token
+        cont = (prev_idx >= 0) & (newest >= 0) & (newest < num_sched)
+        num_cont = int(cont.sum())
+        if num_cont:
+            self.prev_src.np[:num_cont] = prev_idx[cont]
+            self.prev_dst.np[:num_cont] = (starts + newest)[cont]
+
+        input_ids = self.input_ids.copy_to_gpu(num_tokens)
+        md = TritonAttentionMetadata(
+            num_actual_tokens=num_tokens, num_reqs=num_rows, max_query_len=int(num_sched.max()),
+            max_seq_len=int(self.seq_lens.np[:num_rows].max()),
+            query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
+            seq_lens=self.seq_lens.copy_to_gpu(num_rows),
+            block_table=self.block_table.copy_to_gpu(num_rows),
+            slot_mapping=self.slot_mapping.copy_to_gpu(num_tokens),
+            query_start_loc_cpu=self.query_start_loc.cpu[:num_rows + 1],
+            seq_lens_cpu=self.seq_lens.cpu[:num_rows],
+            num_splits=num_splits)
+        positions_gpu = self.positions.copy_to_gpu(num_tokens)
+        logits_indices = self.logits_indices.copy_to_gpu(num_reqs)
+        self._num_cont = num_cont
+        if num_cont:
+            self.prev_src.copy_to_gpu(num_cont)
+            self.prev_dst.copy_to_gpu(num_cont)
+        return StepInputs(req_ids=req_ids, rows=rows, num_scheduled=num_sched, samples=samples,
+                          num_actual_tokens=total, num_padded=pad_to, attn_metadata=md, input_ids=input_ids,
+                          positions=positions_gpu, logits_indices=logits_indices)
+
+    def apply_prev_sampled(self, prev_sampled: torch.Tensor | None) -> None:
+        """Scatter the previous step's sampled ids ([num_prev] int64, device) into this step's input ids."""
+        n = self._num_cont
+        if n == 0:
+            return
+        assert prev_sampled is not None, "a row continues from a step whose sampled ids were dropped"
+        src, dst = self.prev_src.gpu[:n], self.prev_dst.gpu[:n]
+        self.input_ids.gpu.index_copy_(0, dst, prev_sampled.index_select(0, src).to(torch.int64))
+
+    def fill_dummy_decode(self, num_rows: int) -> None:
+        """Inputs of a decode batch made only of padding rows (CUDA-graph warm-up and capture)."""
+        self.wait_for_copies()
+        self.query_start_loc.np[:num_rows + 1] = self._arange_np[:num_rows + 1]
+        self.input_ids.np[:num_rows] = 0
+        self.positions.np[:num_rows] = 0
+        self.slot_mapping.np[:num_rows] = self.scratch_block * self.block_size
+        self.seq_lens.np[:num_rows] = 1
+        self.block_table.np[:num_rows, 0] = self.scratch_block
+        for b, n in ((self.input_ids, num_rows), (self.positions, num_rows), (self.slot_mapping, num_rows),
+                     (self.query_start_loc, num_rows + 1), (self.seq_lens, num_rows), (self.block_table, num_rows)):
+            b.copy_to_gpu(n)
+        self.record_copies()
+
+    def decode_metadata(self, num_rows: int, num_splits: int | None, max_seq_len: int) -> TritonAttentionMetadata:
+        """Metadata over the device buffers for a decode batch of num_rows rows (what a CUDA graph captures)."""
+        return TritonAttentionMetadata(
+            num_actual_tokens=num_rows, num_reqs=num_rows, max_query_len=1, max_seq_len=max_seq_len,
+            query_start_loc=self.query_start_loc.gpu[:num_rows + 1], seq_lens=self.seq_lens.gpu[:num_rows],
+            block_table=self.block_table.gpu[:num_rows], slot_mapping=self.slot_mapping.gpu[:num_rows],
+            query_start_loc_cpu=self.query_start_loc.cpu[:num_rows + 1], seq_lens_cpu=self.seq_lens.cpu[:num_rows],
+            num_splits=num_splits)
+
+    def sampling_tensor(self, buffer: CpuGpuBuffer, values: np.ndarray) -> torch.Tensor:
+        n = len(values)
+        buffer.np[:n] = values
+        return buffer.copy_to_gpu(n)
