@@ -29,7 +29,11 @@ class DeviceConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            # NOTE: torch.cuda.set_device and CUDA graphs need an explicit index.
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
 
 @dataclass
