@@ -4,7 +4,7 @@
 #   device run: bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ ! -d /tmp/site/msgspec ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -28,6 +28,6 @@ for s in $stages; do
         --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
         --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
         --json-out "$OUT/throughput.json" 2>&1 | grep -v Warning | tee "$OUT/throughput.txt" ;;
-    ab) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
+    ab) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
   esac
 done
