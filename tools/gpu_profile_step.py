@@ -1,0 +1,106 @@
+"""Per-stage profile of a decode step on the GPU: where the step time goes.
+
+Runs the offline engine (Qwen2.5-1.5B config, dummy weights, synchronous scheduling so the stages do not
+overlap) on N requests and wraps each stage with sync() + perf_counter: schedule, input
+preparation, forward (CUDA-graph replay for decode), logits, sampler, output copy/lists, update_from_output and
+the frontend's output processing. Prints mean ms per step for mask off and mask on.
+
+    PYTHONPATH=. python3 tools/gpu_profile_step.py --num-prompts 512 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from vllm import LLM, SamplingParams
+
+CONFIG = "benchmarks/configs/qwen2.5-1.5b-instruct"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def instrument(obj: object, name: str, stage: str, totals: dict[str, float], counts: dict[str, int]) -> None:
+    fn = getattr(obj, name)
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        sync()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync()
+        totals[stage] += time.perf_counter() - t0
+        counts[stage] += 1
+        return out
+
+    setattr(obj, name, timed)
+
+
+def profile(model: str, mask: bool, num_prompts: int, input_len: int, output_len: int) -> dict[str, float]:
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_num_seqs=num_prompts,
+              max_model_len=input_len + output_len + 16, logprobs_mode="processed_logprobs",
+              return_sampling_mask=mask, async_scheduling=False)
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    runner = core.worker.model_runner
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    instrument(core.scheduler, "schedule", "schedule", totals, counts)
+    instrument(runner.input_buffers, "prepare", "prepare inputs", totals, counts)
+    instrument(runner, "_forward", "forward", totals, counts)
+    instrument(runner.model, "compute_logits", "logits", totals, counts)
+    instrument(runner, "sampler", "sampler", totals, counts)
+    instrument(runner, "_finish_step", "output copy submit", totals, counts)
+    instrument(core.scheduler, "update_from_output", "update_from_output", totals, counts)
+    instrument(engine.output_processor, "process_outputs", "output processor", totals, counts)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=512, logprobs=1, max_tokens=output_len,
+                            ignore_eos=True)
+    vocab = engine.vllm_config.model_config.vocab_size
+    prompts = [{"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()} for _ in range(num_prompts)]
+    llm.generate(prompts[:8], params, use_tqdm=False)
+    totals.clear()
+    counts.clear()
+    sync()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    wall = time.perf_counter() - t0
+    # NOTE: averaged over every step, the few prefill steps included (output_len decode steps dominate).
+    num_steps = counts["schedule"]
+    result = {k: v / num_steps * 1e3 for k, v in totals.items()}
+    result["steps"] = num_steps
+    result["wall per step"] = wall / num_steps * 1e3
+    result["output tok/s"] = num_prompts * output_len / wall
+    del llm, engine, core, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=CONFIG)
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    off = profile(args.model, False, args.num_prompts, args.input_len, args.output_len)
+    on = profile(args.model, True, args.num_prompts, args.input_len, args.output_len)
+    print(f"batch {args.num_prompts}, {args.output_len} output tokens, synchronous steps, ms per step (mean)")
+    print("| stage | mask off | mask on |\n|---|---:|---:|")
+    for key in off:
+        print(f"| {key} | {off[key]:.3f} | {on.get(key, float('nan')):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
