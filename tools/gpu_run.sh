@@ -14,6 +14,8 @@ for s in $stages; do
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
     tests) python3 -m pytest -q -p no:cacheprovider tests/v1/attention tests/v1/sample tests/models tests/v1/worker 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
+    async) python3 tools/gpu_async_check.py 2>&1 | grep -v Warning | tee "$OUT/async_check.txt" ;;
+    graphs) python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_cudagraph.py 2>&1 | tail -3 | tee "$OUT/graph_tests.txt" ;;
     profile) python3 tools/gpu_profile_step.py --num-prompts 512 --output-len 96 2>&1 | grep -v Warning | tee "$OUT/profile.txt" ;;
     sampler) python3 benchmarks/kernels/benchmark_sampler.py --out "$OUT/sampler_bench.json" 2>&1 | tee "$OUT/sampler_bench.txt" ;;
     backend) python3 tools/gpu_backend_check.py 2>&1 | grep -v Warning | tee "$OUT/backend_check.txt" ;;
