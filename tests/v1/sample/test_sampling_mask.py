@@ -95,7 +95,10 @@ def test_torch_fallback_matches_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     assert np.array_equal(kernel.tolists().token_ids, fallback.tolists().token_ids)
 
 
-def test_mask_of_real_sampler_keeps_top_k_tie_through_bitmask() -> None:
+@pytest.mark.parametrize("use_fast_path", [False, True])
+def test_mask_of_real_sampler_keeps_top_k_tie_through_bitmask(use_fast_path: bool) -> None:
+    # The general path sizes K by top_k, so the tie past k comes back through the bitmask; the fast path sizes
+    # K by its candidate width (top_k plus tie slack), so the same tie comes back from the compact buffer.
     vocab_size = 64
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(3, vocab_size, generator=gen)
@@ -106,9 +109,10 @@ def test_mask_of_real_sampler_keeps_top_k_tie_through_bitmask() -> None:
     md = SamplingMetadata(temperature=torch.tensor([1.0, 0.9, 1.2]), all_greedy=False, all_random=True,
                           top_p=top_p, top_k=top_k, min_p=None, max_top_k=3,
                           sampling_mask_rows=torch.tensor([1, 1, 0], dtype=torch.int32))
-    out = Sampler("processed_logprobs")(logits, md)
+    out = Sampler("processed_logprobs", use_fast_path=use_fast_path)(logits, md)
     mask = out.sampling_mask
-    assert mask is not None and mask.token_ids.shape == (3, 3)
+    assert mask is not None
+    assert mask.token_ids.shape == (3, 3) if not use_fast_path else mask.token_ids.shape[1] > 3
     processed = Sampler.process_logits(logits, md)
     want = reference_supports(processed, md.sampling_mask_rows.numpy())
     lists = mask.tolists()

@@ -93,7 +93,7 @@ def sample_fast(logits: torch.Tensor, md: SamplingMetadata, logprobs_mode: str,
 
     mask = None
     if md.sampling_mask_rows is not None:
-        mask = _candidate_mask(vals > _NEG_INF, ids, md.sampling_mask_rows.to(device), md.max_top_k, vocab_size)
+        mask = _candidate_mask(vals > _NEG_INF, ids, md.sampling_mask_rows.to(device), vocab_size)
     _general_rows(logits, md, logprobs_mode, raw_values, fallback, seeded_draws, sampled, logprobs, mask)
     return sampled, logprobs, mask
 
@@ -151,11 +151,14 @@ def _candidate_logprobs(values: torch.Tensor, ids: torch.Tensor, tok_slot: torch
     return LogprobsTensors(token_ids.to(torch.int32), sampled_values.to(torch.float32), ranks.to(torch.int32))
 
 
-def _candidate_mask(kept: torch.Tensor, ids: torch.Tensor, mask_rows: torch.Tensor, max_top_k: int,
+def _candidate_mask(kept: torch.Tensor, ids: torch.Tensor, mask_rows: torch.Tensor,
                     vocab_size: int) -> SamplingMaskTensors:
     """The support is the kept candidates, already ascending: compact them into [num_reqs, K]."""
     num_reqs = kept.shape[0]
-    num_kept = min(max_top_k, vocab_size, MAX_COMPACT_SUPPORT)
+    # NOTE: K is the candidate width C (max_top_k plus the tie slack), not max_top_k: every kept id is a
+    # candidate, so boundary ties never overflow to the bitmask on this path (beyond upstream, which sizes K
+    # by top_k and sends every boundary tie through the bitmask).
+    num_kept = min(ids.shape[1], vocab_size, MAX_COMPACT_SUPPORT)
     kept = kept & (mask_rows > 0)[:, None]
     slots = kept.cumsum(dim=-1) - 1  # [num_reqs, C]
     # NOTE: column K is a sink for everything not stored; it is cut off below.
@@ -219,7 +222,7 @@ def _general_rows(logits: torch.Tensor, md: SamplingMetadata, logprobs_mode: str
         for dst, src in zip(logprobs, gather_logprobs(values, md.max_num_logprobs, tokens)):
             merge(dst, src)
     if mask is not None and md.sampling_mask_rows is not None:
-        part = compact_sampling_mask(processed, md.sampling_mask_rows.to(device)[index], md.max_top_k)
+        part = compact_sampling_mask(processed, md.sampling_mask_rows.to(device)[index], mask.token_ids.shape[1])
         merge(mask.token_ids, part.token_ids)
         merge(mask.counts, part.counts)
         merge(mask.packed_mask, part.packed_mask)

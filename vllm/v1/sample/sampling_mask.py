@@ -48,6 +48,10 @@ MAX_COMPACT_SUPPORT = 2048
 
 _BLOCK_SIZE = 1024
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+# NOTE: overflow-row gathers run on their own stream: the copy stream is made to wait for the *next* step's
+# compute (to_cpu_nonblocking of step N+1), and a gather for step N queued behind it would stall the output
+# thread for a whole step. The gather needs no wait: its step's `ready` event has already fired on the host.
+_gather_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @triton.jit
@@ -215,10 +219,21 @@ def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
                            stream: torch.cuda.Stream | None) -> np.ndarray:
     if not packed_mask.is_cuda:
         return packed_mask.numpy()[rows]
-    stream = stream or _copy_stream(packed_mask.device)
+    device = packed_mask.device
+    if stream is not None:  # the step's copy already went through; gather on an independent stream
+        if device not in _gather_streams:
+            _gather_streams[device] = torch.cuda.Stream(device=device)
+        stream = _gather_streams[device]
+    else:
+        stream = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
-        index = torch.from_numpy(rows).to(packed_mask.device)
-        return packed_mask.index_select(0, index).cpu().numpy()
+        index = torch.from_numpy(rows).to(device, non_blocking=True)
+        part = packed_mask.index_select(0, index)  # [num_overflow, ceil(V/8)] uint8
+        host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+        host.copy_(part, non_blocking=True)
+        packed_mask.record_stream(stream)
+    stream.synchronize()
+    return host.numpy()
 
 
 def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None) -> SamplingMaskLists:
@@ -285,8 +300,32 @@ class LegacySamplingMask(NamedTuple):
     def from_logits(cls, logits: torch.Tensor, num_sampled: torch.Tensor | None) -> LegacySamplingMask:
         return cls(legacy_pack_sampling_mask(logits, num_sampled), logits.shape[1])
 
-    def to_cpu_nonblocking(self) -> LegacySamplingMask:
-        return self
+    def to_cpu_nonblocking(self) -> LegacySamplingMaskCopy:
+        """Copy the whole bitmask to pinned memory on the side stream (as upstream's pre-change path did)."""
+        if not self.packed_mask.is_cuda:
+            return LegacySamplingMaskCopy(self.packed_mask, None, self.vocab_size)
+        device = self.packed_mask.device
+        stream = _copy_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            host = _pinned_copy(self.packed_mask)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self.packed_mask.record_stream(stream)
+        return LegacySamplingMaskCopy(host, event, self.vocab_size)
 
     def tolists(self) -> SamplingMaskLists:
-        return legacy_unpack_sampling_mask(self.packed_mask.cpu().numpy(), self.vocab_size)
+        return self.to_cpu_nonblocking().tolists()
+
+
+@dataclass(slots=True)
+class LegacySamplingMaskCopy:
+    # [num_reqs, ceil(V/8)] uint8, on the host once `ready` fires.
+    packed_mask: torch.Tensor
+    ready: torch.cuda.Event | None
+    vocab_size: int
+
+    def tolists(self) -> SamplingMaskLists:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return legacy_unpack_sampling_mask(self.packed_mask.numpy(), self.vocab_size)
