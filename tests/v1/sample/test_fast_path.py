@@ -230,3 +230,28 @@ def test_unseeded_frequencies_match_probabilities() -> None:
     expected = probs[keep.numpy()] * n
     chi2 = float((((counts[keep.numpy()] - expected) ** 2) / expected).sum())
     assert chi2 < 25.0, (counts[keep.numpy()], expected)
+
+
+def test_select_falls_back_to_torch_when_the_kernel_cannot_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    import triton
+
+    from vllm.v1.sample.ops import topk_select
+
+    class Broken:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                raise triton.CompilationError("src", None, "cannot compile")
+            return launch
+
+    monkeypatch.setattr(topk_select, "_topk_select_kernel", Broken())
+    monkeypatch.setattr(topk_select, "_kernel_failed", False)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 300, generator=gen)
+    temperature = torch.ones(4)
+    top_k = torch.tensor([1, 5, 17, 40], dtype=torch.int32)
+    got = topk_select.select_top_k_candidates(logits, temperature, top_k, 64, use_triton=True)
+    want = topk_select.select_top_k_candidates(logits, temperature, top_k, 64, use_triton=False)
+    assert topk_select._kernel_failed
+    assert torch.equal(got.counts, want.counts)
+    for r, n in enumerate(want.counts.tolist()):
+        assert torch.equal(got.token_ids[r, :n], want.token_ids[r, :n])

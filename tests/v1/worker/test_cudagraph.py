@@ -4,6 +4,7 @@ logits of the eager forward."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -79,6 +80,8 @@ def test_capture_sizes() -> None:
 @pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
 @pytest.mark.parametrize("num_reqs", [1, 3])
 def test_padded_decode_matches_unpadded(backend: str, num_reqs: int) -> None:
+    if backend == "TRITON" and torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("CPU tensors through Triton need the interpreter; test_graph_replay_matches_eager covers CUDA")
     num_decodes = 2 if backend == "TRITON" else 3
     ref, ref_rec = _runner("cpu")
     padded, pad_rec = _runner("cpu", capture_sizes=[2, 4])

@@ -24,6 +24,8 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
+
 from typing import NamedTuple
 
 import torch
@@ -31,6 +33,7 @@ import triton
 import triton.language as tl
 
 _BLOCK_SIZE = 1024
+logger = logging.getLogger(__name__)
 
 
 class TopKCandidates(NamedTuple):
@@ -97,7 +100,7 @@ def _topk_select_kernel(
         hist1 += tl.histogram((keys >> 21) + 1024, 2048, mask=valid)
         bad = valid & ((z != z) | (z == float("inf")))
         num_bad += tl.sum(bad.to(tl.int32), axis=0)
-    bin1, above1, _ = _pick_bin(hist1, k, 2048)
+    bin1, above1, inside1 = _pick_bin(hist1, k, 2048)
     prefix1 = bin1 - 1024
     k_rem = k - above1
 
@@ -106,9 +109,9 @@ def _topk_select_kernel(
     for start in range(0, vocab_size, BLOCK_SIZE):
         offs = start + arange
         valid = offs < vocab_size
-        _, keys = _load_keys(row_ptr, offs, valid, temperature)
-        hist2 += tl.histogram((keys >> 10) & 2047, 2048, mask=valid & ((keys >> 21) == prefix1))
-    bin2, above2, _ = _pick_bin(hist2, k_rem, 2048)
+        z2, keys2 = _load_keys(row_ptr, offs, valid, temperature)
+        hist2 += tl.histogram((keys2 >> 10) & 2047, 2048, mask=valid & ((keys2 >> 21) == prefix1))
+    bin2, above2, inside2 = _pick_bin(hist2, k_rem, 2048)
     prefix2 = (prefix1 << 11) | bin2
     k_rem = k_rem - above2
 
@@ -117,8 +120,8 @@ def _topk_select_kernel(
     for start in range(0, vocab_size, BLOCK_SIZE):
         offs = start + arange
         valid = offs < vocab_size
-        _, keys = _load_keys(row_ptr, offs, valid, temperature)
-        hist3 += tl.histogram(keys & 1023, 1024, mask=valid & ((keys >> 10) == prefix2))
+        z3, keys3 = _load_keys(row_ptr, offs, valid, temperature)
+        hist3 += tl.histogram(keys3 & 1023, 1024, mask=valid & ((keys3 >> 10) == prefix2))
     bin3, above3, inside3 = _pick_bin(hist3, k_rem, 1024)
     kth_key = (prefix2 << 10) | bin3
     count = above1 + above2 + above3 + inside3
@@ -143,6 +146,17 @@ def _topk_select_kernel(
         slot_base += tl.sum(flags, axis=0)
 
 
+_kernel_failed = False
+
+
+def _disable_kernel() -> None:
+    # NOTE: a Triton build that cannot compile the select kernel falls back, loudly and once, to the torch
+    # version (same outputs, torch.topk speed) instead of taking the engine down.
+    global _kernel_failed
+    _kernel_failed = True
+    logger.exception("The top-k select kernel failed to compile; using the torch select from now on.")
+
+
 def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                             num_cand: int, use_triton: bool | None = None) -> TopKCandidates:
     """logits: [num_reqs, V] float (unit stride on V); temperature: [num_reqs] float32 (> 0); top_k:
@@ -160,10 +174,14 @@ def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top
     top_k = top_k.to(device=device, dtype=torch.int32).contiguous()
     if num_reqs == 0:
         pass
-    elif use_triton if use_triton is not None else logits.is_cuda:
-        _topk_select_kernel[(num_reqs,)](
-            logits, logits.stride(0), temperature, top_k, ids, values, num_cand, counts, kth, vocab_size,
-            num_cand, BLOCK_SIZE=_BLOCK_SIZE)
+    elif (use_triton if use_triton is not None else logits.is_cuda) and not _kernel_failed:
+        try:
+            _topk_select_kernel[(num_reqs,)](
+                logits, logits.stride(0), temperature, top_k, ids, values, num_cand, counts, kth, vocab_size,
+                num_cand, BLOCK_SIZE=_BLOCK_SIZE)
+        except triton.CompilationError:
+            _disable_kernel()
+            _select_torch(logits, temperature, top_k, ids, values, counts, kth)
     else:
         _select_torch(logits, temperature, top_k, ids, values, counts, kth)
     return TopKCandidates(ids, values, counts, kth)
