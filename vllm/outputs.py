@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -18,15 +21,53 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
-@dataclass(slots=True)
 class SamplingMask:
     """The support of each generated token: the ids the sampler could have drawn, ascending, one list per
-    token and aligned 1:1 with `CompletionOutput.token_ids`."""
+    token and aligned 1:1 with `CompletionOutput.token_ids`.
 
-    token_ids: list[list[int]] = field(default_factory=list)
+    `token_ids` (upstream's name) is a `list[list[int]]`, built on first access: the engine hands over one int32
+    array per token, so a caller that wants the compact form (`ids`, all supports concatenated, and `counts`,
+    ids per token) never pays for hundreds of Python ints per token.
+    """
+
+    __slots__ = ("_arrays", "_token_ids")
+
+    def __init__(self, token_ids: list[list[int]] | None = None, *, arrays: Sequence[np.ndarray] | None = None):
+        if token_ids is not None and arrays is not None:
+            raise ValueError("SamplingMask takes token_ids or arrays, not both.")
+        self._arrays = list(arrays) if arrays is not None else None
+        self._token_ids = None if arrays is not None else (token_ids if token_ids is not None else [])
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        if self._token_ids is None:
+            assert self._arrays is not None
+            self._token_ids = [a.tolist() for a in self._arrays]
+        return self._token_ids
+
+    @property
+    def counts(self) -> np.ndarray:
+        """[num_tokens] int64: the support size of each token."""
+        if self._arrays is not None:
+            return np.fromiter((len(a) for a in self._arrays), dtype=np.int64, count=len(self._arrays))
+        return np.array([len(m) for m in self.token_ids], dtype=np.int64)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """[sum(counts)] int32: every token's support, concatenated in token order."""
+        if self._arrays is not None:
+            return np.concatenate(self._arrays).astype(np.int32, copy=False) if self._arrays else \
+                np.zeros(0, dtype=np.int32)
+        return np.array([i for m in self.token_ids for i in m], dtype=np.int32)
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self._arrays) if self._arrays is not None else len(self.token_ids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SamplingMask) and self.token_ids == other.token_ids
+
+    def __repr__(self) -> str:
+        return f"SamplingMask(token_ids={self.token_ids!r})"
 
 
 @dataclass(slots=True)

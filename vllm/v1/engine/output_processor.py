@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
@@ -71,8 +73,9 @@ class RequestState:
         self.output_kind = self.params.output_kind
         self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor.from_new_request(tokenizer, self.params)
-        # One ascending id list per output token, or None while the engine core sends no masks.
-        self.sampling_masks: list[list[int]] | None = None
+        # One ascending int32 id array per output token, or None while the engine core sends no masks.
+        # NOTE: kept as arrays (views of the step's CSR); SamplingMask turns them into lists only on access.
+        self.sampling_masks: list[np.ndarray] | None = None
         self.queue = queue
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
@@ -86,7 +89,8 @@ class RequestState:
                 raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens without "
                                    "their sampling masks after sending masks before.")
             return
-        masks = new_mask.to_nested_list()
+        masks = ([new_mask.token_ids] if new_mask.offsets is None
+                 else np.split(new_mask.token_ids, new_mask.offsets[1:-1]))
         if len(masks) != num_new:
             raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens with "
                                f"{len(masks)} sampling masks.")
@@ -116,7 +120,7 @@ class RequestState:
         sampling_mask: SamplingMask | None = None
         if self.sampling_masks is not None:
             masks = self.sampling_masks[len(self.sampling_masks) - num_new:] if delta else list(self.sampling_masks)
-            sampling_mask = SamplingMask(token_ids=masks)
+            sampling_mask = SamplingMask(arrays=masks)
         return CompletionOutput(
             index=self.index,
             text=text,
