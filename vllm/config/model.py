@@ -6,11 +6,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 

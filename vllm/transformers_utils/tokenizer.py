@@ -82,7 +82,6 @@ class Tokenizer:
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
-        self._config = config
 
         self.special_tokens: dict[str, str] = {}
         for key in _SPECIAL_TOKEN_KEYS:
@@ -167,10 +166,6 @@ class Tokenizer:
         ids = {i for i, tok in self._tokenizer.get_added_tokens_decoder().items() if tok.special}
         ids.update(i for i in (self._token_id(t) for t in self.special_tokens.values()) if i is not None)
         return sorted(ids)
-
-    @cached_property
-    def all_special_ids_set(self) -> frozenset[int]:
-        return frozenset(self.all_special_ids)
 
     def get_eos_token_ids(self) -> set[int]:
         """The tokenizer's EOS plus every `eos_token_id` of generation_config.json."""

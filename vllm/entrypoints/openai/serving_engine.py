@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 from pydantic import BaseModel
 
-from vllm.outputs import Logprob, RequestOutput
+from vllm.outputs import Logprob
 from vllm.transformers_utils.tokenizer import Tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
@@ -109,9 +109,3 @@ async def stream_errors(gen: AsyncGenerator[str, None]) -> AsyncGenerator[str, N
     except EngineDeadError as e:
         yield sse(error_body(f"The engine died: {e}", 500, "InternalServerError"))
         yield SSE_DONE
-
-
-def final_output(outputs: list[RequestOutput]) -> RequestOutput:
-    if not outputs:
-        raise EngineDeadError("The engine returned no output for the request.")
-    return outputs[-1]

@@ -14,10 +14,6 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
-def get_supported_archs() -> list[str]:
-    return list(_MODELS)
-
-
 def get_model_class(architectures: list[str]) -> type[nn.Module]:
     """The class of the first supported name in `architectures`; ValueError when none is supported."""
     for arch in architectures:

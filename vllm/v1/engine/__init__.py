@@ -7,7 +7,6 @@ reasons come out. Text never crosses this boundary.
 from __future__ import annotations
 
 import enum
-import time
 from typing import Any
 
 import msgspec
@@ -50,11 +49,6 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
-class EngineCoreEventType(enum.IntEnum):
-    QUEUED = 1
-    SCHEDULED = 2
-
-
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -68,7 +62,6 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = msgspec.field(default_factory=time.monotonic)
     # Request ids finished inside the core without an output of their own (aborts).
     finished_requests: set[str] | None = None
 

@@ -155,10 +155,6 @@ class MPClient(EngineCoreClient):
         return dict(self.generic_decoder.decode(payload))
 
     @property
-    def core_pid(self) -> int | None:
-        return self.proc.pid
-
-    @property
     def is_dead(self) -> bool:
         if self.dead_error is None and not self.proc.is_alive():
             self.dead_error = EngineDeadError(f"Engine core process died (exit code {self.proc.exitcode}).")

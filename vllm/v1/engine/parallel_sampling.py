@@ -55,7 +55,6 @@ class ParentRequest:
         # Where the aggregated RequestOutputs go (AsyncLLM); None: returned from `process_outputs`.
         self.queue = queue
         self.child_request_ids = [child_request_id(i, self.request_id) for i in range(self.n)]
-        self.child_index = {req_id: i for i, req_id in enumerate(self.child_request_ids)}
         self.unfinished_children: set[str] = set(self.child_request_ids)
         # FINAL_ONLY: each child's final output, by index.
         self.final_outputs: list[CompletionOutput | None] = [None] * self.n

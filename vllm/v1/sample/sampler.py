@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm.config.model import LOGPROBS_MODES
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.fast_path import fast_path_applies, sample_fast
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -30,7 +31,6 @@ from vllm.v1.sample.ops.topk_topp import SAMPLING_EPS, process_logits
 from vllm.v1.sample.sampling_mask import LegacySamplingMask, SamplingMaskTensors
 
 _SAMPLING_EPS = SAMPLING_EPS
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass(slots=True)

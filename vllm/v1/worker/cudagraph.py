@@ -44,10 +44,6 @@ class CudaGraphManager:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: tuple[int, int] | None = None
 
-    @property
-    def max_size(self) -> int:
-        return self.capture_sizes[-1] if self.capture_sizes else 0
-
     def padded_size(self, num_reqs: int) -> int | None:
         """The smallest capture size >= num_reqs, or None when the batch is larger than every size."""
         i = bisect.bisect_left(self.capture_sizes, num_reqs)

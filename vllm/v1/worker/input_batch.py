@@ -5,9 +5,9 @@ live. The runner keeps each request's token ids (prompt + every sampled token) s
 block ids and counts after a request's first step.
 
 A token sampled in a step is counted in `num_tokens` at once, but its value reaches `token_ids_cpu` only when
-the step's output is read back (ModelRunner.execute_model_async); until then `prev_sampled_idx` of the row
-says where it sits in the previous step's device tensor of sampled ids, from which the next step's input ids
-take it (so a step can start before the previous one's tokens are on the host).
+the step's output is on the host (ModelRunner._write_sampled, run by the step's `get_output()`); until then
+`prev_sampled_idx` of the row says where it sits in the previous step's device tensor of sampled ids, from which
+the next step's input ids take it (so a step can start before the previous one's tokens are on the host).
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import _SAMPLING_EPS, SamplingParams
 from vllm.v1.core.sched.output import NewRequestData
-
-_SAMPLING_EPS = 1e-5
 
 
 class InputBatch:
