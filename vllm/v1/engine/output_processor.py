@@ -7,7 +7,8 @@ and the sampling masks, and builds a RequestOutput per step according to `Sampli
 Invariants:
 - Token ids, logprob dicts and masks stay aligned 1:1: `len(masks) == len(token_ids)` (and the same for logprobs
   when requested), also when a stop string ends a request in the middle of a multi-token step.
-- Masks are built straight from each step's `SamplingMaskLists` slice with `to_nested_list()`; a request
+- Masks are built straight from each step's `SamplingMaskLists` slice (one int32 array per
+  token, turned into lists only when `SamplingMask.token_ids` is read); a request
   returns masks when its engine-core outputs carry them (the engine flag is on and the request did not opt out).
 - A request finished by a stop string in the frontend (the engine core still runs it) is listed in
   `reqs_to_abort`; a finished request's state is dropped at once, later outputs for it are ignored.

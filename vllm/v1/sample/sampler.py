@@ -5,7 +5,7 @@ filter writes -inf; the result ("processed logits") is what random rows draw fro
 reads, so the sampled token of a random row is always inside its support. Tie rules: ops/topk_topp.py.
 
 Invariants:
-- Greedy rows (temperature < _SAMPLING_EPS, or every row when `all_greedy`) take the argmax of the raw logits;
+- Greedy rows (temperature < SAMPLING_EPS, or every row when `all_greedy`) take the argmax of the raw logits;
   their processed logits use temperature 1.0 (the argmax survives every filter).
 - Random rows use the exponential race (ops/sample.py); rows in `generators` use their own generator.
 - The input logits are never modified.
@@ -30,7 +30,6 @@ from vllm.v1.sample.ops.sample import random_sample
 from vllm.v1.sample.ops.topk_topp import SAMPLING_EPS, process_logits
 from vllm.v1.sample.sampling_mask import LegacySamplingMask, SamplingMaskTensors
 
-_SAMPLING_EPS = SAMPLING_EPS
 
 
 @dataclass(slots=True)
@@ -81,7 +80,7 @@ class Sampler(nn.Module):
             if greedy_tokens is None or md.temperature is None:
                 sampled = random_tokens
             else:
-                sampled = torch.where(md.temperature < _SAMPLING_EPS, greedy_tokens, random_tokens)
+                sampled = torch.where(md.temperature < SAMPLING_EPS, greedy_tokens, random_tokens)
 
         logprobs_tensors = None
         if want_logprobs:

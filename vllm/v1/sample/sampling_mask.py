@@ -284,8 +284,7 @@ def legacy_unpack_sampling_mask(packed_mask: np.ndarray, vocab_size: int) -> Sam
 
 def legacy_sampling_mask_lists(logits: torch.Tensor, num_sampled: torch.Tensor | None) -> SamplingMaskLists:
     """The whole pre-change path, synchronously: pack on the device, copy the full bitmask, unpack on host."""
-    packed = legacy_pack_sampling_mask(logits, num_sampled)
-    return legacy_unpack_sampling_mask(packed.cpu().numpy(), logits.shape[1])
+    return LegacySamplingMask.from_logits(logits, num_sampled).tolists()
 
 
 class LegacySamplingMask(NamedTuple):

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from vllm.sampling_params import _SAMPLING_EPS as SAMPLING_EPS
+
 _NEG_INF = float("-inf")
-SAMPLING_EPS = 1e-5
 
 
 def process_logits(logits: torch.Tensor, temperature: torch.Tensor | None, min_p: torch.Tensor | None,
