@@ -17,9 +17,10 @@ for s in $stages; do
     async) python3 tools/gpu_async_check.py 2>&1 | grep -v Warning | tee "$OUT/async_check.txt" ;;
     graphs) python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_cudagraph.py 2>&1 | tail -3 | tee "$OUT/graph_tests.txt" ;;
     profile) python3 tools/gpu_profile_step.py --num-prompts 512 --output-len 96 2>&1 | grep -v Warning | tee "$OUT/profile.txt" ;;
+    hostprof) python3 tools/gpu_host_profile.py --num-prompts 512 --output-len 64 2>&1 | grep -v Warning | tee "$OUT/host_profile.txt" ;;
     sampler) python3 benchmarks/kernels/benchmark_sampler.py --out "$OUT/sampler_bench.json" 2>&1 | tee "$OUT/sampler_bench.txt" ;;
     backend) python3 tools/gpu_backend_check.py 2>&1 | grep -v Warning | tee "$OUT/backend_check.txt" ;;
-    mask) python3 benchmarks/kernels/benchmark_sampling_mask.py --out "$OUT/mask_bench.json" 2>&1 | tee "$OUT/mask_bench.txt" ;;
+    mask) python3 benchmarks/kernels/benchmark_sampling_mask.py --tilings --out "$OUT/mask_bench.json" 2>&1 | tee "$OUT/mask_bench.txt" ;;
     attn) python3 benchmarks/kernels/benchmark_attention.py --batch-sizes 64 256 512 --context 384 2>&1 | tee "$OUT/attn_bench.txt" ;;
     throughput_base)  # the same offline run on the code before the GPU issue (a snapshot in .snap_base)
       (cd .snap_base && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/benchmark_throughput.py \

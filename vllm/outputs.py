@@ -60,6 +60,12 @@ class SamplingMask:
                 np.zeros(0, dtype=np.int32)
         return np.array([i for m in self.token_ids for i in m], dtype=np.int32)
 
+    def concat(self, other: SamplingMask) -> SamplingMask:
+        """The masks of this output's tokens followed by `other`'s (for merging streamed deltas)."""
+        if self._arrays is not None and other._arrays is not None:
+            return SamplingMask(arrays=self._arrays + other._arrays)
+        return SamplingMask(self.token_ids + other.token_ids)
+
     def __len__(self) -> int:
         return len(self._arrays) if self._arrays is not None else len(self.token_ids)
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
 from vllm.v1.sample.sampling_mask import (MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask,
                                           legacy_pack_sampling_mask, legacy_unpack_sampling_mask)
 
@@ -56,6 +57,31 @@ def gpu_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, iters: int, per_graph: int = 10) -> float:
+    """Device milliseconds of one fn() with the launch overhead taken out: `per_graph` calls captured in one
+    CUDA graph, replayed `iters` times between two events. Falls back to gpu_ms on CPU."""
+    if device.type != "cuda":
+        return gpu_ms(fn, device, iters)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (iters * per_graph)
 
 
 def host_ms(fn: Callable[[], object], iters: int) -> float:
@@ -111,6 +137,8 @@ def bench_case(num_reqs: int, k: int, vocab_size: int, device: torch.device, ite
                                   max(3, iters // 10)),
         "legacy_bytes": num_reqs * ((vocab_size + 7) // 8),
         "read_floor_ms": gpu_ms(lambda: logits.amax(dim=-1), device, iters),
+        "kernel_graph_ms": graph_ms(lambda: SamplingMaskTensors.from_logits(logits, num_sampled, k), device, iters),
+        "floor_graph_ms": graph_ms(lambda: logits.amax(dim=-1), device, iters),
         "nominal_floor_ms": logits_bytes / (bandwidth_tbps * 1e12) * 1e3,
     }
 
@@ -118,17 +146,40 @@ def bench_case(num_reqs: int, k: int, vocab_size: int, device: torch.device, ite
 COLUMNS = [("num_reqs", "reqs", "{}"), ("k", "k", "{}"), ("mean_support", "mean |S|", "{:.1f}"),
            ("compact_gpu_ms", "compact GPU ms", "{:.3f}"), ("compact_kernel_ms", "kernel ms", "{:.3f}"),
            ("row_kernel_ms", "row-kernel ms", "{:.3f}"),
-           ("read_floor_ms", "read floor ms", "{:.3f}"), ("nominal_floor_ms", "nominal floor ms", "{:.3f}"),
+           ("read_floor_ms", "read floor ms", "{:.3f}"), ("kernel_graph_ms", "kernel dev ms", "{:.3f}"),
+           ("floor_graph_ms", "floor dev ms", "{:.3f}"), ("nominal_floor_ms", "nominal floor ms", "{:.3f}"),
            ("compact_host_ms", "tolists ms", "{:.3f}"), ("compact_bytes", "compact bytes", "{}"),
            ("legacy_gpu_ms", "legacy GPU ms", "{:.3f}"), ("legacy_host_ms", "legacy host ms", "{:.2f}"),
            ("legacy_bytes", "legacy bytes", "{}")]
 
 
-def markdown_table(rows: list[dict[str, float | int]]) -> str:
-    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-             "|" + "---|" * len(COLUMNS)]
+def bench_tilings(num_reqs: int, k: int, vocab_size: int, device: torch.device, iters: int) -> list[dict]:
+    """Device time (graph replay) of the chunked kernel under each first-launch tiling, against the read floor."""
+    logits = make_logits(num_reqs, vocab_size, k, device, seed=num_reqs * 1000 + k)
+    num_sampled = torch.ones(num_reqs, dtype=torch.int32, device=device)
+    num_kept = min(k, vocab_size, MAX_COMPACT_SUPPORT)
+    token_ids = torch.empty((num_reqs, num_kept), dtype=torch.int32, device=device)
+    packed = torch.empty((num_reqs, (vocab_size + 7) // 8), dtype=torch.uint8, device=device)
+    counts = torch.empty(num_reqs, dtype=torch.int32, device=device)
+    floor = graph_ms(lambda: logits.amax(dim=-1), device, iters)
+    rows = []
+    for chunk in (2048, 4096, 8192, 16384):
+        for tile_2d in (False, True):
+            for num_warps in (4, 8, 16):
+                ms = graph_ms(lambda: compact_sampling_mask_chunked(  # noqa: B023
+                    logits, num_sampled, token_ids, packed, counts, chunk, tile_2d, num_warps), device, iters)
+                rows.append({"num_reqs": num_reqs, "k": k, "chunk": chunk, "tile_2d": tile_2d,
+                             "num_warps": num_warps, "kernel_dev_ms": ms, "floor_dev_ms": floor,
+                             "x_floor": ms / floor})
+    return rows
+
+
+def markdown_table(rows: list[dict[str, float | int]], columns: list | None = None) -> str:
+    columns = columns or COLUMNS
+    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |",
+             "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS) + " |")
+        lines.append("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in columns) + " |")
     return "\n".join(lines)
 
 
@@ -140,6 +191,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--bandwidth-tbps", type=float, default=4.8, help="nominal HBM bandwidth for the floor")
     parser.add_argument("--out", type=str, default=None, help="write the results as JSON here")
+    parser.add_argument("--tilings", action="store_true", help="also compare the first launch's tilings (CUDA)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = [bench_case(n, k, args.vocab_size, device, args.iters, args.bandwidth_tbps)
@@ -147,9 +199,17 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"V={args.vocab_size}, MAX_COMPACT_SUPPORT={MAX_COMPACT_SUPPORT}")
     print(markdown_table(rows))
+    tilings = []
+    if args.tilings and device.type == "cuda":
+        tilings = [r for n in args.num_reqs for r in bench_tilings(n, 220, args.vocab_size, device, args.iters)]
+        print(markdown_table(tilings, [("num_reqs", "reqs", "{}"), ("chunk", "chunk", "{}"),
+                                       ("tile_2d", "2-D tile", "{}"), ("num_warps", "warps", "{}"),
+                                       ("kernel_dev_ms", "kernel dev ms", "{:.4f}"),
+                                       ("floor_dev_ms", "floor dev ms", "{:.4f}"), ("x_floor", "x floor", "{:.2f}")]))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": str(device), "vocab_size": args.vocab_size, "results": rows}, f, indent=2)
+            json.dump({"device": str(device), "vocab_size": args.vocab_size, "results": rows,
+                       "tilings": tilings}, f, indent=2)
 
 
 if __name__ == "__main__":

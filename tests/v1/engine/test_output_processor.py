@@ -266,3 +266,66 @@ def test_mask_count_mismatch_is_an_error(tok: Tokenizer) -> None:
     bad.new_sampling_mask = SamplingMaskLists(np.array(positions[0].mask, dtype=np.int32), None)
     with pytest.raises(RuntimeError, match="2 tokens with 1 sampling masks"):
         proc.process_outputs([bad])
+
+
+def test_collector_merges_streamed_deltas(tok: Tokenizer) -> None:
+    """Outputs the consumer has not taken yet come out as one: the same text, tokens, logprobs and masks as
+    the step-by-step outputs concatenated (the reference), and the last step's finish state."""
+    import asyncio
+
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    token_ids = tok.encode("The quick brown fox")
+    positions = make_positions(token_ids, tok.vocab_size, 1, seed=11)
+    steps = [positions[:1], positions[1:3], positions[3:]]
+
+    def run(take_each_step: bool) -> list[RequestOutput]:
+        proc = OutputProcessor(tok, log_stats=False)
+        collector = RequestOutputCollector(RequestOutputKind.DELTA)
+        proc.add_request(make_request("m", [5], logprobs=1, output_kind=RequestOutputKind.DELTA), None, collector)
+        taken = []
+        for i, step in enumerate(steps):
+            last = i == len(steps) - 1
+            proc.process_outputs([make_output("m", step, finish_reason=FinishReason.LENGTH if last else None)])
+            if take_each_step or last:
+                taken.append(asyncio.run(collector.get()))
+        assert collector.empty()
+        return taken
+
+    separate, merged = run(True), run(False)
+    assert len(separate) == 3 and len(merged) == 1
+    out = merged[0].outputs[0]
+    assert merged[0].finished and out.finish_reason == "length"
+    assert out.token_ids == token_ids == [t for o in separate for t in o.outputs[0].token_ids]
+    assert out.text == "".join(o.outputs[0].text for o in separate) == tok.decode(token_ids)
+    assert out.logprobs == [expected_logprob_dict(tok, p) for p in positions]
+    assert out.sampling_mask.token_ids == [p.mask for p in positions]
+    assert out.cumulative_logprob == separate[-1].outputs[0].cumulative_logprob
+
+
+def test_collector_cumulative_supersedes_and_error_comes_last() -> None:
+    import asyncio
+
+    from vllm.outputs import CompletionOutput
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    def output(tokens: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput("c", None, [1], None, [CompletionOutput(0, "", tokens, None, None)], finished)
+
+    collector = RequestOutputCollector(RequestOutputKind.CUMULATIVE)
+    collector.put_nowait(output([1], False))
+    collector.put_nowait(output([1, 2], False))
+    error = RuntimeError("engine died")
+    collector.put_nowait(error)
+    assert asyncio.run(collector.get()).outputs[0].token_ids == [1, 2]
+    assert collector.get_nowait() is error
+
+    async def waits_for_put() -> RequestOutput:
+        waiter = RequestOutputCollector(RequestOutputKind.DELTA)
+        task = asyncio.create_task(waiter.get())
+        await asyncio.sleep(0)
+        assert not task.done()
+        waiter.put_nowait(output([3], True))
+        return await task
+
+    assert asyncio.run(waits_for_put()).outputs[0].token_ids == [3]

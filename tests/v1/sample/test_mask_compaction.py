@@ -26,9 +26,23 @@ def make_logits(num_reqs: int, vocab: int, supports: list[int], seed: int) -> to
     return torch.from_numpy(logits)
 
 
+# (chunk, tile_2d, num_warps): the default tiling, the 1-D load with a reshape, and other chunk widths.
+TILINGS = [(CHUNK, True, 8), (CHUNK, False, 8), (2048, True, 4), (8192, True, 8)]
+
+
 @pytest.mark.parametrize("vocab", [2 * CHUNK + 123, CHUNK, 100])
 @pytest.mark.parametrize("k", [1, 7, 300])
 def test_chunked_compaction_matches_reference(vocab: int, k: int) -> None:
+    check_against_reference(vocab, k, {})
+
+
+@pytest.mark.parametrize("tiling", TILINGS[1:])
+def test_every_tiling_matches_reference(tiling: tuple[int, bool, int]) -> None:
+    chunk, tile_2d, num_warps = tiling
+    check_against_reference(2 * CHUNK + 123, 7, {"chunk": chunk, "tile_2d": tile_2d, "num_warps": num_warps})
+
+
+def check_against_reference(vocab: int, k: int, tiling: dict) -> None:
     sizes = [min(s, vocab - 2) for s in (0, 1, 7, max(k - 1, 0), k, k + 1, 2 * k + 50, vocab)]
     logits = make_logits(len(sizes), vocab, sizes, seed=vocab + k)
     num_sampled = torch.ones(len(sizes), dtype=torch.int32)
@@ -36,7 +50,7 @@ def test_chunked_compaction_matches_reference(vocab: int, k: int) -> None:
     token_ids = torch.full((len(sizes), k), -1, dtype=torch.int32, device=DEVICE)
     packed = torch.empty((len(sizes), (vocab + 7) // 8), dtype=torch.uint8, device=DEVICE)
     counts = torch.empty(len(sizes), dtype=torch.int32, device=DEVICE)
-    compact_sampling_mask_chunked(logits.to(DEVICE), num_sampled.to(DEVICE), token_ids, packed, counts)
+    compact_sampling_mask_chunked(logits.to(DEVICE), num_sampled.to(DEVICE), token_ids, packed, counts, **tiling)
 
     keep = np.isfinite(logits.numpy()) & (num_sampled.numpy() > 0)[:, None]
     np.testing.assert_array_equal(packed.cpu().numpy(), np.packbits(keep, axis=1, bitorder="little"))

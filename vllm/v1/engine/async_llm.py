@@ -27,7 +27,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
-from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import RequestStatsTracker
 
@@ -79,11 +79,11 @@ class AsyncLLM:
             self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams) -> asyncio.Queue[RequestOutput | BaseException]:
+                          params: SamplingParams) -> RequestOutputCollector:
         """Validate, register and send one request; raises ValueError (bad input) or EngineDeadError."""
         await self.check_health()
         request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, time.time())
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue = RequestOutputCollector(params.output_kind)
         core_requests = self.output_processor.add_request(request, prompt_text, queue)
         if self.log_stats:
             for core_request in core_requests:
@@ -104,9 +104,12 @@ class AsyncLLM:
         async for output in self.stream_outputs(request_id, queue):
             yield output
 
-    async def stream_outputs(self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    async def stream_outputs(self, request_id: str, queue: RequestOutputCollector
                              ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield a request's outputs until it finishes; closing or cancelling it early aborts the request."""
+        """Yield a request's outputs until it finishes; closing or cancelling it early aborts the request.
+
+        Streamed (DELTA) outputs that arrive faster than the caller takes them come merged (one output for
+        several engine steps), see RequestOutputCollector."""
         finished = False
         try:
             while not finished:

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -39,6 +40,79 @@ class OutputQueue(Protocol):
     """What AsyncLLM hands in per request (an asyncio.Queue or a collector with the same method)."""
 
     def put_nowait(self, item: Any) -> None: ...
+
+
+class RequestOutputCollector:
+    """A request's output queue for AsyncLLM that never grows: outputs the consumer has not taken yet are merged.
+
+    When the HTTP side lags behind the engine (many streams, large chunks), a stream then sends one chunk per
+    round of the event loop instead of one per engine step, so the frontend's per-chunk cost stops scaling with
+    the step rate. DELTA outputs are concatenated (text, token ids, logprobs and sampling masks, per choice
+    index); CUMULATIVE and FINAL_ONLY outputs supersede the pending one. An exception is delivered after the
+    pending output.
+    """
+
+    __slots__ = ("output_kind", "_output", "_error", "_ready")
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.output_kind = output_kind
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._output is None or self.output_kind != RequestOutputKind.DELTA:
+            self._output = item
+        else:
+            merge_delta_outputs(self._output, item)
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return self._output is None and self._error is None
+
+    def get_nowait(self) -> RequestOutput | BaseException:
+        """The pending output (or, once none is pending, the error); raises asyncio.QueueEmpty if neither."""
+        if self._output is not None:
+            output, self._output = self._output, None
+        elif self._error is not None:
+            output = self._error
+        else:
+            raise asyncio.QueueEmpty
+        if self._output is None and self._error is None:
+            self._ready.clear()
+        return output
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self.empty():
+            await self._ready.wait()
+        return self.get_nowait()
+
+
+def merge_delta_outputs(into: RequestOutput, new: RequestOutput) -> None:
+    """Append DELTA output `new` to the not-yet-delivered DELTA output `into` (same request), in place."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text += c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        if c.sampling_mask is not None:
+            old.sampling_mask = (c.sampling_mask if old.sampling_mask is None
+                                 else old.sampling_mask.concat(c.sampling_mask))
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason = c.finish_reason
+        old.stop_reason = c.stop_reason
+    into.outputs.sort(key=lambda c: c.index)
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+    into.metrics = new.metrics
 
 
 @dataclass(slots=True)

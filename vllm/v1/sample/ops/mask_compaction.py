@@ -22,6 +22,9 @@ import triton
 import triton.language as tl
 
 CHUNK = 4096
+# The first launch loads each chunk as a [CHUNK/8, 8] tile (see _pack_count_kernel).
+TILE_2D = True
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -35,23 +38,34 @@ def _pack_count_kernel(
     num_chunks,
     vocab_size,
     CHUNK: tl.constexpr,
+    TILE_2D: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     # A row that sampled nothing keeps nothing: its loads are all masked off.
     limit = tl.where(tl.load(num_sampled_ptr + row) > 0, vocab_size, 0)
-    ids = chunk * CHUNK + tl.arange(0, CHUNK)
-    live = ids < limit
-    x = tl.load(logits_ptr + row * logits_stride + ids, mask=live, other=float("-inf")).to(tl.float32)
-    # Finite: not NaN (x == x) and |x| < inf.
-    keep = (x == x) & (tl.abs(x) < float("inf")) & live
-    flags = tl.reshape(keep.to(tl.int32), (CHUNK // 8, 8))
     shifts = tl.arange(0, 8)[None, :]
-    packed = tl.sum(flags << shifts, axis=1)  # [CHUNK // 8]
     byte_ids = chunk * (CHUNK // 8) + tl.arange(0, CHUNK // 8)
+    if TILE_2D:
+        # The chunk loaded as [CHUNK/8, 8]: each output byte's 8 flags sit in one tile row, so the packing is
+        # a sum along the tile's contiguous axis with no layout change of the loaded values.
+        ids = byte_ids[:, None] * 8 + shifts
+        live = ids < limit
+        x = tl.load(logits_ptr + row * logits_stride + ids, mask=live, other=float("-inf")).to(tl.float32)
+        # NOTE: |x| < inf is false for +inf, -inf and NaN alike.
+        flags = ((tl.abs(x) < float("inf")) & live).to(tl.int32)
+        count = tl.sum(tl.sum(flags, axis=1), axis=0)
+    else:
+        ids = chunk * CHUNK + tl.arange(0, CHUNK)
+        live = ids < limit
+        x = tl.load(logits_ptr + row * logits_stride + ids, mask=live, other=float("-inf")).to(tl.float32)
+        keep = (tl.abs(x) < float("inf")) & live
+        count = tl.sum(keep.to(tl.int32), axis=0)
+        flags = tl.reshape(keep.to(tl.int32), (CHUNK // 8, 8))
+    packed = tl.sum(flags << shifts, axis=1)  # [CHUNK // 8]
     tl.store(packed_mask_ptr + row * packed_mask_stride + byte_ids, packed.to(tl.uint8),
              mask=byte_ids < (vocab_size + 7) // 8)
-    tl.store(chunk_counts_ptr + row * num_chunks + chunk, tl.sum(keep.to(tl.int32), axis=0))
+    tl.store(chunk_counts_ptr + row * num_chunks + chunk, count)
 
 
 @triton.jit
@@ -68,7 +82,7 @@ def _compact_kernel(
     CHUNK: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     c = tl.arange(0, MAX_CHUNKS)
     counts = tl.load(chunk_counts_ptr + row * num_chunks + c, mask=c < num_chunks, other=0)
@@ -87,16 +101,20 @@ def _compact_kernel(
 
 
 def compact_sampling_mask_chunked(logits: torch.Tensor, num_sampled: torch.Tensor, token_ids: torch.Tensor,
-                                  packed_mask: torch.Tensor, counts: torch.Tensor) -> None:
-    """Fill token_ids [R, K] int32, packed_mask [R, ceil(V/8)] uint8 and counts [R] int32 from logits [R, V]."""
+                                  packed_mask: torch.Tensor, counts: torch.Tensor, chunk: int = CHUNK,
+                                  tile_2d: bool = TILE_2D, num_warps: int = NUM_WARPS) -> None:
+    """Fill token_ids [R, K] int32, packed_mask [R, ceil(V/8)] uint8 and counts [R] int32 from logits [R, V].
+
+    `chunk`, `tile_2d` and `num_warps` select the first launch's tiling (benchmarks compare them)."""
     num_reqs, vocab_size = logits.shape
     if num_reqs == 0:
         return
-    num_chunks = triton.cdiv(vocab_size, CHUNK)
+    num_chunks = triton.cdiv(vocab_size, chunk)
     chunk_counts = torch.empty(num_reqs, num_chunks, dtype=torch.int32, device=logits.device)
     grid = (num_reqs, num_chunks)
     _pack_count_kernel[grid](logits, logits.stride(0), num_sampled, packed_mask, packed_mask.stride(0),
-                             chunk_counts, num_chunks, vocab_size, CHUNK=CHUNK, num_warps=8)
+                             chunk_counts, num_chunks, vocab_size, CHUNK=chunk, TILE_2D=tile_2d,
+                             num_warps=num_warps)
     _compact_kernel[grid](packed_mask, packed_mask.stride(0), chunk_counts, num_chunks, token_ids,
-                          token_ids.stride(0), counts, vocab_size, token_ids.shape[1], CHUNK=CHUNK,
+                          token_ids.stride(0), counts, vocab_size, token_ids.shape[1], CHUNK=chunk,
                           MAX_CHUNKS=triton.next_power_of_2(num_chunks), num_warps=8)
