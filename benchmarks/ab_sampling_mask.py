@@ -93,6 +93,8 @@ def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -
     env = dict(os.environ)
     env.pop("VLLM_SAMPLING_MASK_LEGACY_PATH", None)
     env.update(env_extra)
+    if args.cprofile_dir:
+        env["VLLM_CPROFILE_DIR"] = os.path.join(os.path.abspath(args.cprofile_dir), arm)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     log(f"{arm}: " + shlex.join([f"{k}={v}" for k, v in env_extra.items()] + ["python3", *cmd[1:]]))
@@ -247,6 +249,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--level-timeout", type=float, default=90.0, help="Most seconds per concurrency level.")
     parser.add_argument("--budget-s", type=float, default=420.0, help="Wall-time budget of the whole A/B.")
     parser.add_argument("--out-dir", default="out/ab")
+    parser.add_argument("--cprofile-dir", default=None,
+                        help="Profile each arm's server processes with cProfile into DIR/<arm> (slows them down).")
     return parser
 
 

@@ -29,7 +29,8 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def instrument(obj: object, name: str, stage: str, totals: dict[str, float], counts: dict[str, int]) -> None:
+def instrument(obj: object, name: str, stage: str, times: dict[str, list[float]],
+               decode_flags: list[bool] | None = None) -> None:
     fn = getattr(obj, name)
 
     @functools.wraps(fn)
@@ -38,8 +39,9 @@ def instrument(obj: object, name: str, stage: str, totals: dict[str, float], cou
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
         sync()
-        totals[stage] += time.perf_counter() - t0
-        counts[stage] += 1
+        times[stage].append(time.perf_counter() - t0)
+        if decode_flags is not None:
+            decode_flags.append(out.total_num_scheduled_tokens == len(out.num_scheduled_tokens))
         return out
 
     setattr(obj, name, timed)
@@ -52,33 +54,35 @@ def profile(model: str, mask: bool, num_prompts: int, input_len: int, output_len
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     runner = core.worker.model_runner
-    totals: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    instrument(core.scheduler, "schedule", "schedule", totals, counts)
-    instrument(runner.input_buffers, "prepare", "prepare inputs", totals, counts)
-    instrument(runner, "_forward", "forward", totals, counts)
-    instrument(runner.model, "compute_logits", "logits", totals, counts)
-    instrument(runner, "sampler", "sampler", totals, counts)
-    instrument(runner, "_finish_step", "output copy submit", totals, counts)
-    instrument(core.scheduler, "update_from_output", "update_from_output", totals, counts)
-    instrument(engine.output_processor, "process_outputs", "output processor", totals, counts)
+    times: dict[str, list[float]] = defaultdict(list)
+    decode: list[bool] = []
+    instrument(core.scheduler, "schedule", "schedule", times, decode)
+    instrument(runner.input_buffers, "prepare", "prepare inputs", times)
+    instrument(runner, "_forward", "forward", times)
+    instrument(runner.model, "compute_logits", "logits", times)
+    instrument(runner, "sampler", "sampler", times)
+    instrument(runner, "_finish_step", "output copy submit", times)
+    instrument(core.scheduler, "update_from_output", "update_from_output", times)
+    instrument(engine.output_processor, "process_outputs", "output processor", times)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=512, logprobs=1, max_tokens=output_len,
                             ignore_eos=True)
     vocab = engine.vllm_config.model_config.vocab_size
     prompts = [{"prompt_token_ids": rng.integers(0, vocab, input_len).tolist()} for _ in range(num_prompts)]
     llm.generate(prompts[:8], params, use_tqdm=False)
-    totals.clear()
-    counts.clear()
+    times.clear()
+    decode.clear()
     sync()
     t0 = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     sync()
     wall = time.perf_counter() - t0
-    # NOTE: averaged over every step, the few prefill steps included (output_len decode steps dominate).
-    num_steps = counts["schedule"]
-    result = {k: v / num_steps * 1e3 for k, v in totals.items()}
+    # NOTE: every stage runs once per step (synchronous scheduling); the means are over decode-only steps.
+    num_steps = len(decode)
+    is_decode = np.array(decode)
+    result = {k: float(np.mean(np.array(v[:num_steps])[is_decode[:len(v)]])) * 1e3 for k, v in times.items()}
     result["steps"] = num_steps
+    result["decode steps"] = int(is_decode.sum())
     result["wall per step"] = wall / num_steps * 1e3
     result["output tok/s"] = num_prompts * output_len / wall
     del llm, engine, core, runner
@@ -96,7 +100,8 @@ def main() -> None:
     args = parser.parse_args()
     off = profile(args.model, False, args.num_prompts, args.input_len, args.output_len)
     on = profile(args.model, True, args.num_prompts, args.input_len, args.output_len)
-    print(f"batch {args.num_prompts}, {args.output_len} output tokens, synchronous steps, ms per step (mean)")
+    print(f"batch {args.num_prompts}, {args.output_len} output tokens, synchronous steps, ms per decode step "
+          "(mean); wall per step and tok/s over the whole run")
     print("| stage | mask off | mask on |\n|---|---:|---:|")
     for key in off:
         print(f"| {key} | {off[key]:.3f} | {on.get(key, float('nan')):.3f} |")

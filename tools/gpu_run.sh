@@ -32,6 +32,11 @@ for s in $stages; do
         --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
         --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
         --json-out "$OUT/throughput.json" 2>&1 | grep -v Warning | tee "$OUT/throughput.txt" ;;
+    serveprof) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/serveprof" --arms no-mask mask --concurrencies 512 \
+        --cprofile-dir "$OUT/serveprof/prof" ${PROF_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/serveprof.txt"
+      rm -f "$OUT"/serveprof/prof/*/*.prof ;;
+    topk) [ -f benchmarks/kernels/benchmark_topk_select.py ] && python3 benchmarks/kernels/benchmark_topk_select.py \
+        --out "$OUT/topk_bench.json" 2>&1 | tee "$OUT/topk_bench.txt" ;;
     ab) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
   esac
 done

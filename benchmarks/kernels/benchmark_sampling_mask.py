@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
+from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked, launch_compact, launch_pack_count
 from vllm.v1.sample.sampling_mask import (MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask,
                                           legacy_pack_sampling_mask, legacy_unpack_sampling_mask)
 
@@ -163,14 +163,19 @@ def bench_tilings(num_reqs: int, k: int, vocab_size: int, device: torch.device, 
     counts = torch.empty(num_reqs, dtype=torch.int32, device=device)
     floor = graph_ms(lambda: logits.amax(dim=-1), device, iters)
     rows = []
-    for chunk in (2048, 4096, 8192, 16384):
+    for chunk in (1024, 2048, 4096, 8192):
         for tile_2d in (False, True):
-            for num_warps in (4, 8, 16):
+            for num_warps in (2, 4, 8):
                 ms = graph_ms(lambda: compact_sampling_mask_chunked(  # noqa: B023
                     logits, num_sampled, token_ids, packed, counts, chunk, tile_2d, num_warps), device, iters)
+                pack_ms = graph_ms(lambda: launch_pack_count(  # noqa: B023
+                    logits, num_sampled, packed, chunk, tile_2d, num_warps), device, iters)
+                chunk_counts = launch_pack_count(logits, num_sampled, packed, chunk, tile_2d, num_warps)
+                compact_ms = graph_ms(lambda: launch_compact(  # noqa: B023
+                    packed, chunk_counts, token_ids, counts, vocab_size, chunk), device, iters)
                 rows.append({"num_reqs": num_reqs, "k": k, "chunk": chunk, "tile_2d": tile_2d,
-                             "num_warps": num_warps, "kernel_dev_ms": ms, "floor_dev_ms": floor,
-                             "x_floor": ms / floor})
+                             "num_warps": num_warps, "kernel_dev_ms": ms, "pack_dev_ms": pack_ms,
+                             "compact_dev_ms": compact_ms, "floor_dev_ms": floor, "x_floor": ms / floor})
     return rows
 
 
@@ -201,10 +206,13 @@ def main() -> None:
     print(markdown_table(rows))
     tilings = []
     if args.tilings and device.type == "cuda":
-        tilings = [r for n in args.num_reqs for r in bench_tilings(n, 220, args.vocab_size, device, args.iters)]
+        tilings = [r for n in args.num_reqs if n >= 256
+                   for r in bench_tilings(n, 220, args.vocab_size, device, args.iters)]
         print(markdown_table(tilings, [("num_reqs", "reqs", "{}"), ("chunk", "chunk", "{}"),
                                        ("tile_2d", "2-D tile", "{}"), ("num_warps", "warps", "{}"),
                                        ("kernel_dev_ms", "kernel dev ms", "{:.4f}"),
+                                       ("pack_dev_ms", "1st launch ms", "{:.4f}"),
+                                       ("compact_dev_ms", "2nd launch ms", "{:.4f}"),
                                        ("floor_dev_ms", "floor dev ms", "{:.4f}"), ("x_floor", "x floor", "{:.2f}")]))
     if args.out:
         with open(args.out, "w") as f:

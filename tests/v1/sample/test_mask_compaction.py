@@ -27,7 +27,7 @@ def make_logits(num_reqs: int, vocab: int, supports: list[int], seed: int) -> to
 
 
 # (chunk, tile_2d, num_warps): the default tiling, the 1-D load with a reshape, and other chunk widths.
-TILINGS = [(CHUNK, True, 8), (CHUNK, False, 8), (2048, True, 4), (8192, True, 8)]
+TILINGS = [(CHUNK, True, 8), (CHUNK, False, 8), (1024, True, 2), (8192, True, 8)]
 
 
 @pytest.mark.parametrize("vocab", [2 * CHUNK + 123, CHUNK, 100])

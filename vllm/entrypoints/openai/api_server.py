@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm
 from vllm.engine.arg_utils import EngineArgs
+from vllm.profiling import maybe_cprofile
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -167,7 +169,8 @@ async def run_server(args: argparse.Namespace) -> int:
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5)
         server = uvicorn.Server(config)
         watchdog = asyncio.create_task(_watch_engine(engine, server))
-        await server.serve()
+        with maybe_cprofile(f"api_server_{os.getpid()}"):
+            await server.serve()
         watchdog.cancel()
         if engine.errored:
             return 1

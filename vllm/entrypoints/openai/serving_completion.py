@@ -9,11 +9,11 @@ usage counts each prompt once and every choice's completion tokens.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from vllm.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
-                                              CompletionStreamResponse, UsageInfo, random_uuid)
+from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
 from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import PromptType
@@ -91,14 +91,24 @@ class OpenAIServingCompletion(OpenAIServing):
         return base_id, request_ids, gens
 
     def _choice(self, request: CompletionRequest, index: int, out: RequestOutput, c: CompletionOutput,
-                text_offset: int, prefix: str = "", first: bool = True) -> CompletionResponseChoice:
-        return CompletionResponseChoice(
-            index=index, text=prefix + c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            logprobs=(self.completion_logprobs(c.token_ids, c.logprobs, request.logprobs or 0, text_offset)
-                      if request.logprobs is not None else None),
-            token_ids=list(c.token_ids) if request.return_token_ids else None,
-            prompt_token_ids=list(out.prompt_token_ids or []) if request.return_token_ids and first else None,
-            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
+                text_offset: int, prefix: str = "", first: bool = True) -> dict[str, Any]:
+        """One choice with CompletionResponseChoice's fields, as a plain dict (streamed chunks skip pydantic)."""
+        return {
+            "index": index, "text": prefix + c.text,
+            "logprobs": (self.completion_logprobs(c.token_ids, c.logprobs, request.logprobs or 0, text_offset)
+                         if request.logprobs is not None else None),
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "token_ids": list(c.token_ids) if request.return_token_ids else None,
+            "prompt_token_ids": list(out.prompt_token_ids or []) if request.return_token_ids and first else None,
+            "sampling_mask": c.sampling_mask.token_ids if c.sampling_mask is not None else None,
+        }
+
+    @staticmethod
+    def _chunk(base_id: str, created: int, model: str, choices: list[dict[str, Any]],
+               usage: UsageInfo | None = None) -> dict[str, Any]:
+        """A CompletionStreamResponse as a plain dict (the same fields and order)."""
+        return {"id": base_id, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": usage.model_dump() if usage is not None else None}
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncGenerator[str, None]:
         model = self.model_name(request.model)
@@ -123,6 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request: CompletionRequest, model: str, base_id: str,
                       gens: list[AsyncGenerator]) -> AsyncGenerator[str, None]:
         num_choices = len(gens) * request.n
+        created = int(time.time())
         offsets = [0] * num_choices
         usage = UsageInfo()
         prompt_counted = [False] * len(gens)
@@ -137,10 +148,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 started[index] = True
                 prefix = (out.prompt or "") if first and request.echo else ""
                 choice = self._choice(request, index, out, c, offsets[index], prefix, first)
-                offsets[index] += len(choice.text)
+                offsets[index] += len(choice["text"])
                 usage.completion_tokens += len(c.token_ids)
-                yield sse(CompletionStreamResponse(id=base_id, model=model, choices=[choice]))
+                yield sse(self._chunk(base_id, created, model, [choice]))
         if request.stream_options is not None and request.stream_options.include_usage:
             usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-            yield sse(CompletionStreamResponse(id=base_id, model=model, choices=[], usage=usage))
+            yield sse(self._chunk(base_id, created, model, [], usage))
         yield SSE_DONE

@@ -6,9 +6,9 @@ ValueError -> 400, `NotFoundError` -> 404, EngineDeadError -> 500.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, Sequence
 
+import msgspec
 from pydantic import BaseModel
 
 from vllm.outputs import Logprob
@@ -16,7 +16,7 @@ from vllm.transformers_utils.tokenizer import Tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
 from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
-                                              ChatCompletionLogProbsContent, CompletionLogProbs, ErrorInfo,
+                                              ChatCompletionLogProbsContent, ErrorInfo,
                                               ErrorResponse)
 
 
@@ -29,9 +29,14 @@ def error_body(message: str, status_code: int, err_type: str, param: str | None 
                                          code=status_code)).model_dump()
 
 
+_json_encoder = msgspec.json.Encoder()
+
+
 def sse(obj: BaseModel | dict) -> str:
-    data = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
-    return f"data: {data}\n\n"
+    """One server-sent event. Plain dicts (the hot streaming path) are encoded by msgspec, models by pydantic."""
+    if isinstance(obj, BaseModel):
+        return f"data: {obj.model_dump_json(exclude_none=False)}\n\n"
+    return f"data: {_json_encoder.encode(obj).decode()}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -63,23 +68,28 @@ class OpenAIServing:
         return [(tid, lp) for tid, lp in ranked if lp.rank is not None and lp.rank <= num][:num]
 
     def completion_logprobs(self, token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None,
-                            num: int, initial_offset: int) -> CompletionLogProbs | None:
+                            num: int, initial_offset: int) -> dict[str, list] | None:
+        """A completion choice's `logprobs` (CompletionLogProbs's fields) as a plain dict, cheap to encode."""
         if logprobs is None:
             return None
-        out = CompletionLogProbs()
+        text_offset: list[int] = []
+        token_logprobs: list[float | None] = []
+        tokens: list[str] = []
+        top_logprobs: list[dict[str, float] | None] = []
         offset = initial_offset
         for token_id, entries in zip(token_ids, logprobs):
             sampled = entries.get(token_id)
             token = self.token_str(token_id, sampled)
-            out.tokens.append(token)
-            out.token_logprobs.append(sampled.logprob if sampled is not None else None)
+            tokens.append(token)
+            token_logprobs.append(sampled.logprob if sampled is not None else None)
             top = {self.token_str(t, lp): max(lp.logprob, -9999.0) for t, lp in self._top(entries, num)}
             if sampled is not None:
                 top.setdefault(token, max(sampled.logprob, -9999.0))
-            out.top_logprobs.append(top)
-            out.text_offset.append(offset)
+            top_logprobs.append(top)
+            text_offset.append(offset)
             offset += len(token)
-        return out
+        return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens,
+                "top_logprobs": top_logprobs}
 
     def chat_logprobs(self, token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None,
                       num: int) -> ChatCompletionLogProbs | None:

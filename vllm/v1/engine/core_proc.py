@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from vllm.config import VllmConfig
+from vllm.profiling import maybe_cprofile
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -136,7 +137,8 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str, output_address:
         proc = EngineCoreProc(engine_core, input_address, output_address, parent_pid)
         proc.send(READY, {"num_gpu_blocks": int(getattr(engine_core, "num_gpu_blocks", 0) or 0),
                           "pid": os.getpid()})
-        proc.run_busy_loop()
+        with maybe_cprofile(f"engine_core_{os.getpid()}"):
+            proc.run_busy_loop()
     except SystemExit:
         pass
     except Exception:

@@ -90,13 +90,17 @@ def _compact_kernel(
     if chunk == 0:
         tl.store(counts_ptr + row, tl.sum(counts, axis=0))
     if start < K:
+        # NOTE: the chunk stays a [CHUNK/8, 8] tile (byte, bit): the exclusive prefix sum runs over the bytes'
+        # popcounts and, inside each byte, over 8 bits, so no [CHUNK] scan or reshape is needed.
         byte_ids = chunk * (CHUNK // 8) + tl.arange(0, CHUNK // 8)
         packed = tl.load(packed_mask_ptr + row * packed_mask_stride + byte_ids,
                          mask=byte_ids < (vocab_size + 7) // 8, other=0).to(tl.int32)
         shifts = tl.arange(0, 8)[None, :]
-        flags = tl.reshape((packed[:, None] >> shifts) & 1, (CHUNK,))
-        slots = start + tl.cumsum(flags, axis=0) - flags  # exclusive prefix sum, seeded by the chunk start
-        ids = chunk * CHUNK + tl.arange(0, CHUNK)
+        flags = (packed[:, None] >> shifts) & 1  # [CHUNK // 8, 8]
+        per_byte = tl.sum(flags, axis=1)  # [CHUNK // 8]
+        byte_start = start + tl.cumsum(per_byte, axis=0) - per_byte
+        slots = byte_start[:, None] + tl.cumsum(flags, axis=1) - flags  # [CHUNK // 8, 8]
+        ids = byte_ids[:, None] * 8 + shifts
         tl.store(token_ids_ptr + row * token_ids_stride + slots, ids.to(tl.int32), mask=(flags > 0) & (slots < K))
 
 
@@ -106,15 +110,29 @@ def compact_sampling_mask_chunked(logits: torch.Tensor, num_sampled: torch.Tenso
     """Fill token_ids [R, K] int32, packed_mask [R, ceil(V/8)] uint8 and counts [R] int32 from logits [R, V].
 
     `chunk`, `tile_2d` and `num_warps` select the first launch's tiling (benchmarks compare them)."""
-    num_reqs, vocab_size = logits.shape
-    if num_reqs == 0:
+    if logits.shape[0] == 0:
         return
+    chunk_counts = launch_pack_count(logits, num_sampled, packed_mask, chunk, tile_2d, num_warps)
+    launch_compact(packed_mask, chunk_counts, token_ids, counts, logits.shape[1], chunk)
+
+
+def launch_pack_count(logits: torch.Tensor, num_sampled: torch.Tensor, packed_mask: torch.Tensor,
+                      chunk: int = CHUNK, tile_2d: bool = TILE_2D, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """First launch: the bitmask and [R, num_chunks] int32 keep counts per chunk (returned)."""
+    num_reqs, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, chunk)
     chunk_counts = torch.empty(num_reqs, num_chunks, dtype=torch.int32, device=logits.device)
-    grid = (num_reqs, num_chunks)
-    _pack_count_kernel[grid](logits, logits.stride(0), num_sampled, packed_mask, packed_mask.stride(0),
-                             chunk_counts, num_chunks, vocab_size, CHUNK=chunk, TILE_2D=tile_2d,
-                             num_warps=num_warps)
-    _compact_kernel[grid](packed_mask, packed_mask.stride(0), chunk_counts, num_chunks, token_ids,
-                          token_ids.stride(0), counts, vocab_size, token_ids.shape[1], CHUNK=chunk,
-                          MAX_CHUNKS=triton.next_power_of_2(num_chunks), num_warps=8)
+    _pack_count_kernel[(num_reqs, num_chunks)](
+        logits, logits.stride(0), num_sampled, packed_mask, packed_mask.stride(0), chunk_counts, num_chunks,
+        vocab_size, CHUNK=chunk, TILE_2D=tile_2d, num_warps=num_warps)
+    return chunk_counts
+
+
+def launch_compact(packed_mask: torch.Tensor, chunk_counts: torch.Tensor, token_ids: torch.Tensor,
+                   counts: torch.Tensor, vocab_size: int, chunk: int = CHUNK, num_warps: int = 4) -> None:
+    """Second launch: ascending ids into token_ids[:, :K] and the full counts, from the bitmask."""
+    num_reqs, num_chunks = chunk_counts.shape
+    _compact_kernel[(num_reqs, num_chunks)](
+        packed_mask, packed_mask.stride(0), chunk_counts, num_chunks, token_ids, token_ids.stride(0), counts,
+        vocab_size, token_ids.shape[1], CHUNK=chunk, MAX_CHUNKS=triton.next_power_of_2(num_chunks),
+        num_warps=num_warps)
