@@ -13,7 +13,7 @@ for s in $stages; do
   echo "=== $s $(date +%T)"
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
-    tests) python3 -m pytest -q -p no:cacheprovider tests/v1/attention tests/v1/sample tests/models tests/v1/worker 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/v1/attention tests/v1/sample tests/models tests/v1/worker} 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
     async) python3 tools/gpu_async_check.py 2>&1 | grep -v Warning | tee "$OUT/async_check.txt" ;;
     graphs) python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_cudagraph.py 2>&1 | tail -3 | tee "$OUT/graph_tests.txt" ;;
     profile) python3 tools/gpu_profile_step.py --num-prompts 512 --output-len 96 2>&1 | grep -v Warning | tee "$OUT/profile.txt" ;;
@@ -34,7 +34,8 @@ for s in $stages; do
         --json-out "$OUT/throughput.json" 2>&1 | grep -v Warning | tee "$OUT/throughput.txt" ;;
     serveprof) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/serveprof" --arms no-mask mask --concurrencies 512 \
         --cprofile-dir "$OUT/serveprof/prof" ${PROF_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/serveprof.txt"
-      rm -f "$OUT"/serveprof/prof/*/*.prof ;;
+      for f in "$OUT"/serveprof/prof/*/*.txt; do [ -f "$f" ] && cp "$f" "$OUT/prof_$(basename "$(dirname "$f")")_$(basename "$f")"; done
+      rm -rf "$OUT"/serveprof/prof ;;
     topk) [ -f benchmarks/kernels/benchmark_topk_select.py ] && python3 benchmarks/kernels/benchmark_topk_select.py \
         --out "$OUT/topk_bench.json" 2>&1 | tee "$OUT/topk_bench.txt" ;;
     ab) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;

@@ -1,0 +1,141 @@
+"""Device time of the radix top-k select: one program per row ("row") vs segments over many programs ("split").
+
+Setting (benchmark_sampler.py's): V=151936, top_k=512 for every row, temperature 1, logits = randn * 3
+rounded through bf16, C = 640 (fast_path.num_candidates for max_top_k=512); num_reqs in {64, 256, 512, 1024}.
+References in the same table: torch.topk(k=513) and one read of the logits (`logits.amax(-1)`); the select
+reads the logits four times, so its floor is about 4x the read column.
+
+Each entry is the mean time of one CUDA-graph replay over --iters replays (no launch overhead). Before timing,
+every split configuration is checked to give the row kernel's outputs.
+
+On a machine without CUDA it runs a smoke test under TRITON_INTERPRET on tiny shapes (wall-clock times of the
+interpreter, meaningless as performance).
+
+Usage: python benchmarks/kernels/benchmark_topk_select.py [--out results.json] [--iters 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vllm.v1.sample.ops.topk_select import TopKCandidates, select_top_k_candidates, split_segment_size  # noqa: E402
+
+VOCAB_SIZE = 151936
+NUM_REQS = (64, 256, 512, 1024)
+TOP_K = 512
+NUM_CAND = 640
+SEGMENT_SIZES = (None, 4096, 8192, 16384)
+
+
+def time_graph_ms(fn: Callable[[], object], iters: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def time_wall_ms(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    begin = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - begin) * 1e3 / iters
+
+
+def same_outputs(a: TopKCandidates, b: TopKCandidates) -> bool:
+    if not (torch.equal(a.counts, b.counts) and torch.equal(a.kth, b.kth)):
+        return False
+    valid = torch.arange(a.token_ids.shape[1], device=a.counts.device)[None, :] < a.counts[:, None]
+    return bool(torch.equal(torch.where(valid, a.token_ids, 0), torch.where(valid, b.token_ids, 0))
+                and torch.equal(torch.where(valid, a.values, 0.0), torch.where(valid, b.values, 0.0)))
+
+
+def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, segment_sizes: tuple[int | None, ...],
+              iters: int, block_size: int, device: torch.device) -> dict[str, float | int]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(num_reqs, vocab_size, device=device, generator=gen) * 3).to(torch.bfloat16).float()
+    temperature = torch.ones(num_reqs, device=device)
+    k = torch.full((num_reqs,), top_k, dtype=torch.int32, device=device)
+    timer = time_graph_ms if device.type == "cuda" else time_wall_ms
+
+    def select(impl: str, segment_size: int | None = None) -> TopKCandidates:
+        return select_top_k_candidates(logits, temperature, k, num_cand, use_triton=True, impl=impl,
+                                       segment_size=segment_size, block_size=block_size)
+
+    row_out = select("row")
+    result: dict[str, float | int] = {
+        "num_reqs": num_reqs, "vocab_size": vocab_size,
+        "auto_segment": split_segment_size(num_reqs, vocab_size, block_size),
+        "read_ms": timer(lambda: logits.amax(dim=-1), iters),
+        f"topk{top_k + 1}_ms": timer(lambda: logits.topk(top_k + 1, dim=-1), iters),
+        "row_ms": timer(lambda: select("row"), iters),
+    }
+    if not same_outputs(select("topk"), row_out):
+        raise SystemExit(f"topk differs from the row kernel at num_reqs={num_reqs}")
+    result["topk_impl_ms"] = timer(lambda: select("topk"), iters)
+    for segment_size in segment_sizes:
+        name = "split_auto" if segment_size is None else f"split_{segment_size}"
+        try:
+            if not same_outputs(select("split", segment_size), row_out):
+                raise SystemExit(f"{name} differs from the row kernel at num_reqs={num_reqs}")
+            result[f"{name}_ms"] = timer(lambda s=segment_size: select("split", s), iters)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other configurations
+            print(f"{name} at num_reqs={num_reqs} failed: {e!r}"[:500])
+            result[f"{name}_ms"] = float("nan")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--iters", type=int, default=100)
+    args = parser.parse_args()
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+        shapes, top_k, num_cand, segments, block, iters = NUM_REQS, TOP_K, NUM_CAND, SEGMENT_SIZES, 1024, args.iters
+        vocab_size = VOCAB_SIZE
+    else:
+        # NOTE: interpreter smoke test: tiny shapes, small blocks so that a row has several segments.
+        device = torch.device("cpu")
+        shapes, top_k, num_cand, segments, block, iters = (2,), 16, 64, (None, 512), 256, 1
+        vocab_size = 1500
+    rows = [bench_row(n, vocab_size, top_k, num_cand, segments, iters, block, device) for n in shapes]
+    columns = [c for c in rows[0] if c.endswith("_ms")]
+    print(f"\nradix top-k select, V={vocab_size}, top_k={top_k}, C={num_cand}, device={device.type} "
+          f"({'CUDA-graph replay' if device.type == 'cuda' else 'interpreter wall clock'}), ms per call\n")
+    print("| num_reqs | auto segment | " + " | ".join(c[:-3] for c in columns) + " |")
+    print("|---|---|" + "---|" * len(columns))
+    for row in rows:
+        print(f"| {row['num_reqs']} | {row['auto_segment']} | "
+              + " | ".join(f"{row[c]:.4f}" for c in columns) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       "top_k": top_k, "num_cand": num_cand, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
