@@ -60,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--select-impls", nargs="+", default=["topk", "split"],
+    parser.add_argument("--select-impls", nargs="+", default=["topk", "row"],
                         help="top-k select implementations of the fast path to time (ops/topk_select.py)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

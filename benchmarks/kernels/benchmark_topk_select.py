@@ -1,12 +1,11 @@
-"""Device time of the radix top-k select: one program per row ("row") vs segments over many programs ("split").
+"""Device time of the top-k candidate select: torch.topk + a counting read ("topk") vs the radix kernel ("row").
 
 Setting (benchmark_sampler.py's): V=151936, top_k=512 for every row, temperature 1, logits = randn * 3
 rounded through bf16, C = 640 (fast_path.num_candidates for max_top_k=512); num_reqs in {64, 256, 512, 1024}.
-References in the same table: torch.topk(k=513) and one read of the logits (`logits.amax(-1)`); the select
-reads the logits four times, so its floor is about 4x the read column.
+References in the same table: torch.topk(k=513) and one read of the logits (`logits.amax(-1)`).
 
 Each entry is the mean time of one CUDA-graph replay over --iters replays (no launch overhead). Before timing,
-every split configuration is checked to give the row kernel's outputs.
+"topk" is checked to give the row kernel's outputs.
 
 On a machine without CUDA it runs a smoke test under TRITON_INTERPRET on tiny shapes (wall-clock times of the
 interpreter, meaningless as performance).
@@ -27,13 +26,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vllm.v1.sample.ops.topk_select import TopKCandidates, select_top_k_candidates, split_segment_size  # noqa: E402
+from vllm.v1.sample.ops.topk_select import TopKCandidates, select_top_k_candidates  # noqa: E402
 
 VOCAB_SIZE = 151936
 NUM_REQS = (64, 256, 512, 1024)
 TOP_K = 512
 NUM_CAND = 640
-SEGMENT_SIZES = (None, 4096, 8192, 16384)
 
 
 def time_graph_ms(fn: Callable[[], object], iters: int) -> float:
@@ -73,39 +71,27 @@ def same_outputs(a: TopKCandidates, b: TopKCandidates) -> bool:
                 and torch.equal(torch.where(valid, a.values, 0.0), torch.where(valid, b.values, 0.0)))
 
 
-def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, segment_sizes: tuple[int | None, ...],
-              iters: int, block_size: int, device: torch.device) -> dict[str, float | int]:
+def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, iters: int, block_size: int,
+              device: torch.device) -> dict[str, float | int]:
     gen = torch.Generator(device=device).manual_seed(0)
     logits = (torch.randn(num_reqs, vocab_size, device=device, generator=gen) * 3).to(torch.bfloat16).float()
     temperature = torch.ones(num_reqs, device=device)
     k = torch.full((num_reqs,), top_k, dtype=torch.int32, device=device)
     timer = time_graph_ms if device.type == "cuda" else time_wall_ms
 
-    def select(impl: str, segment_size: int | None = None) -> TopKCandidates:
+    def select(impl: str) -> TopKCandidates:
         return select_top_k_candidates(logits, temperature, k, num_cand, use_triton=True, impl=impl,
-                                       segment_size=segment_size, block_size=block_size)
+                                       block_size=block_size)
 
-    row_out = select("row")
-    result: dict[str, float | int] = {
+    if not same_outputs(select("topk"), select("row")):
+        raise SystemExit(f"topk differs from the row kernel at num_reqs={num_reqs}")
+    return {
         "num_reqs": num_reqs, "vocab_size": vocab_size,
-        "auto_segment": split_segment_size(num_reqs, vocab_size, block_size),
         "read_ms": timer(lambda: logits.amax(dim=-1), iters),
-        f"topk{top_k + 1}_ms": timer(lambda: logits.topk(top_k + 1, dim=-1), iters),
+        f"torch_topk{top_k + 1}_ms": timer(lambda: logits.topk(top_k + 1, dim=-1), iters),
+        "topk_ms": timer(lambda: select("topk"), iters),
         "row_ms": timer(lambda: select("row"), iters),
     }
-    if not same_outputs(select("topk"), row_out):
-        raise SystemExit(f"topk differs from the row kernel at num_reqs={num_reqs}")
-    result["topk_impl_ms"] = timer(lambda: select("topk"), iters)
-    for segment_size in segment_sizes:
-        name = "split_auto" if segment_size is None else f"split_{segment_size}"
-        try:
-            if not same_outputs(select("split", segment_size), row_out):
-                raise SystemExit(f"{name} differs from the row kernel at num_reqs={num_reqs}")
-            result[f"{name}_ms"] = timer(lambda s=segment_size: select("split", s), iters)
-        except Exception as e:  # noqa: BLE001 - report and go on with the other configurations
-            print(f"{name} at num_reqs={num_reqs} failed: {e!r}"[:500])
-            result[f"{name}_ms"] = float("nan")
-    return result
 
 
 def main() -> None:
@@ -115,22 +101,21 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.is_available():
         device = torch.device("cuda")
-        shapes, top_k, num_cand, segments, block, iters = NUM_REQS, TOP_K, NUM_CAND, SEGMENT_SIZES, 1024, args.iters
+        shapes, top_k, num_cand, block, iters = NUM_REQS, TOP_K, NUM_CAND, 1024, args.iters
         vocab_size = VOCAB_SIZE
     else:
-        # NOTE: interpreter smoke test: tiny shapes, small blocks so that a row has several segments.
+        # NOTE: interpreter smoke test: tiny shapes and a small block.
         device = torch.device("cpu")
-        shapes, top_k, num_cand, segments, block, iters = (2,), 16, 64, (None, 512), 256, 1
+        shapes, top_k, num_cand, block, iters = (2,), 16, 64, 256, 1
         vocab_size = 1500
-    rows = [bench_row(n, vocab_size, top_k, num_cand, segments, iters, block, device) for n in shapes]
+    rows = [bench_row(n, vocab_size, top_k, num_cand, iters, block, device) for n in shapes]
     columns = [c for c in rows[0] if c.endswith("_ms")]
-    print(f"\nradix top-k select, V={vocab_size}, top_k={top_k}, C={num_cand}, device={device.type} "
+    print(f"\ntop-k candidate select, V={vocab_size}, top_k={top_k}, C={num_cand}, device={device.type} "
           f"({'CUDA-graph replay' if device.type == 'cuda' else 'interpreter wall clock'}), ms per call\n")
-    print("| num_reqs | auto segment | " + " | ".join(c[:-3] for c in columns) + " |")
-    print("|---|---|" + "---|" * len(columns))
+    print("| num_reqs | " + " | ".join(c[:-3] for c in columns) + " |")
+    print("|---|" + "---|" * len(columns))
     for row in rows:
-        print(f"| {row['num_reqs']} | {row['auto_segment']} | "
-              + " | ".join(f"{row[c]:.4f}" for c in columns) + " |")
+        print(f"| {row['num_reqs']} | " + " | ".join(f"{row[c]:.4f}" for c in columns) + " |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -64,19 +64,31 @@ def test_engine_core_outputs_round_trip_restores_named_tuples() -> None:
                        np.array([1], np.int32), None)
     mask = SamplingMaskLists(np.array([1, 5, 9], np.int32), None, None)
     multi = SamplingMaskLists(np.array([3, 4, 8], np.int32), np.array([0, 2, 3], np.int64), None)
+    lp2 = LogprobsLists(np.array([[4, 4, 0], [8, 2, 8]], np.int32),
+                        np.array([[-0.5, -0.5, -4.0], [-1.5, -0.25, -1.5]], np.float32), np.array([1, 2], np.int32))
     outputs = EngineCoreOutputs(
         outputs=[EngineCoreOutput("a", [5], lp, mask, FinishReason.STOP, "x"),
                  EngineCoreOutput("b", [4, 8], None, multi, None),
-                 EngineCoreOutput("c", [])],
+                 EngineCoreOutput("c", []),
+                 EngineCoreOutput("e", [4, 8], lp2, None)],
         scheduler_stats=SchedulerStats(2, 1, 0.25, 0, [3, 2, 1], 1),
         finished_requests={"d"})
-    got = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
-    a, b, c = got.outputs
+    data = MsgpackEncoder().encode(outputs)
+    # The step's arrays travel as a few extension payloads, not one per output and field.
+    assert bytes(data).count(b"<i4") + bytes(data).count(b"<f4") + bytes(data).count(b"<i8") <= 6
+    assert outputs.step_arrays is None and outputs.outputs[0].new_logprobs is lp  # encoding left it alone
+    got = MsgpackDecoder(EngineCoreOutputs).decode(data)
+    a, b, c, e = got.outputs
+    assert got.step_arrays is None
+    # Logprobs come back as Python numbers (float32 values exactly), row p = position p.
     assert isinstance(a.new_logprobs, LogprobsLists)
-    np.testing.assert_array_equal(a.new_logprobs.logprob_token_ids, lp.logprob_token_ids)
-    np.testing.assert_array_equal(a.new_logprobs.logprobs, lp.logprobs)
-    assert a.new_logprobs.logprobs.dtype == np.float32
+    assert a.new_logprobs.logprob_token_ids == [[5, 1, 2]] and a.new_logprobs.sampled_token_ranks == [1]
+    assert a.new_logprobs.logprobs == lp.logprobs.tolist()
+    assert e.new_logprobs.logprob_token_ids == [[4, 4, 0], [8, 2, 8]]
+    assert e.new_logprobs.logprobs == lp2.logprobs.tolist() and e.new_logprobs.sampled_token_ranks == [1, 2]
+    assert e.new_sampling_mask is None
     assert isinstance(a.new_sampling_mask, SamplingMaskLists)
+    assert a.new_sampling_mask.token_ids.dtype == np.int32
     assert a.new_sampling_mask.to_nested_list() == [[1, 5, 9]]
     assert a.finish_reason is FinishReason.STOP and a.stop_reason == "x"
     assert b.new_sampling_mask.to_nested_list() == [[3, 4], [8]]

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 
 from vllm.engine.arg_utils import EngineArgs
 
@@ -25,6 +26,14 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from vllm.entrypoints.openai.api_server import run_server
     try:
@@ -32,7 +41,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as e:
         parser.error(str(e))
     try:
-        return asyncio.run(run_server(args))
+        # NOTE: the API server is one event loop serving every stream; uvloop (with uvicorn's httptools
+        # parser, picked automatically when installed) roughly halves its per-chunk overhead.
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(run_server(args))
     except RuntimeError as e:
         logging.getLogger("vllm").error("%s", e)
         return 1

@@ -64,6 +64,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     scheduler_stats: SchedulerStats | None = None
     # Request ids finished inside the core without an output of their own (aborts).
     finished_requests: set[str] | None = None
+    # Wire form only (vllm/v1/serial_utils.py): the outputs' logprobs and sampling masks as a few step-level
+    # arrays; None in memory on both sides.
+    step_arrays: Any = None
 
 
 class EngineCoreRequestType(enum.Enum):

@@ -35,9 +35,13 @@ class LogprobsProcessor:
             new_logprobs.sampled_token_ranks
         n = len(token_ids) if num_positions is None else min(num_positions, len(token_ids))
         assert self.cumulative_logprob is not None
+        # NOTE: rows are numpy arrays in the engine's own process and Python lists after the trip from the
+        # engine-core process (serial_utils.unpack_step_arrays).
+        if not isinstance(token_ids, list):
+            token_ids, logprobs, ranks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
         for p in range(n):
-            row_ids: list[int] = token_ids[p].tolist()
-            row_logprobs: list[float] = logprobs[p].tolist()
+            row_ids: list[int] = token_ids[p]
+            row_logprobs: list[float] = logprobs[p]
             decoded: list[str | None] = (self.tokenizer.decode_each(row_ids) if self.tokenizer is not None
                                          else [None] * len(row_ids))
             self.cumulative_logprob += row_logprobs[0]
