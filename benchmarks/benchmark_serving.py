@@ -33,6 +33,16 @@ from typing import Any
 import httpx
 import numpy as np
 
+try:
+    import aiohttp
+except ImportError:  # the bench extra installs it; httpx is the fallback
+    aiohttp = None
+try:
+    import msgspec
+    _json_loads = msgspec.json.decode
+except ImportError:
+    _json_loads = json.loads
+
 
 @dataclass
 class RequestRecord:
@@ -72,46 +82,69 @@ def chunk_token_count(choice: dict[str, Any]) -> int:
     return 1 if choice.get("text") else 0
 
 
-async def _stream_one(client: httpx.AsyncClient, spec: LevelSpec, prompt: list[int], rec: RequestRecord) -> None:
+def _handle_event(data: bytes | str, rec: RequestRecord) -> bool:
+    """Account one SSE `data:` payload; True when the stream is over ([DONE] or an error event)."""
+    if data in ("[DONE]", b"[DONE]"):
+        return True
+    obj = _json_loads(data)
+    if "error" in obj:
+        rec.error = f"stream error: {str(obj['error'])[:300]}"
+        return True
+    for choice in obj.get("choices") or []:
+        if rec.first_token is None:
+            rec.first_token = time.time()
+        rec.chunk_tokens += chunk_token_count(choice)
+        masks = choice.get("sampling_mask")
+        if masks is not None:
+            rec.has_mask = True
+            rec.masks += len(masks)
+            rec.mask_ids += sum(len(m) for m in masks)
+    usage = obj.get("usage")
+    if usage:
+        rec.usage_tokens = int(usage.get("completion_tokens", 0))
+    return False
+
+
+async def _stream_one(client: Any, spec: LevelSpec, prompt: list[int], rec: RequestRecord) -> None:
     payload = dict(spec.payload)
     payload["prompt"] = prompt
     rec.start = time.time()
-    async with client.stream("POST", spec.url, json=payload, headers=spec.headers) as resp:
-        if resp.status_code != 200:
-            body = (await resp.aread()).decode(errors="replace")
-            rec.error = f"HTTP {resp.status_code}: {body[:300]}"
-            return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
-            if "error" in obj:
-                rec.error = f"stream error: {str(obj['error'])[:300]}"
+    if aiohttp is not None and isinstance(client, aiohttp.ClientSession):
+        async with client.post(spec.url, json=payload, headers=spec.headers) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return
-            for choice in obj.get("choices") or []:
-                if rec.first_token is None:
-                    rec.first_token = time.time()
-                rec.chunk_tokens += chunk_token_count(choice)
-                masks = choice.get("sampling_mask")
-                if masks is not None:
-                    rec.has_mask = True
-                    rec.masks += len(masks)
-                    rec.mask_ids += sum(len(m) for m in masks)
-            usage = obj.get("usage")
-            if usage:
-                rec.usage_tokens = int(usage.get("completion_tokens", 0))
+            async for raw in resp.content:
+                line = raw.strip()
+                if line.startswith(b"data: ") and _handle_event(line[6:], rec):
+                    break
+    else:
+        async with client.stream("POST", spec.url, json=payload, headers=spec.headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {body[:300]}"
+                return
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and _handle_event(line[6:], rec):
+                    break
     rec.end = time.time()
+
+
+def _make_client(concurrency: int) -> Any:
+    """aiohttp (C parser) when installed, else httpx; either way no limit below the level's concurrency."""
+    if aiohttp is not None:
+        # NOTE: a merged chunk with sampling masks can be megabytes on one SSE line.
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8),
+                                     timeout=aiohttp.ClientTimeout(total=None), read_bufsize=1 << 24)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    return httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, trust_env=False)
 
 
 async def _run_share(spec: LevelSpec) -> list[RequestRecord]:
     records = [RequestRecord() for _ in spec.prompts]
     next_index = 0
-    limits = httpx.Limits(max_connections=spec.concurrency + 8, max_keepalive_connections=spec.concurrency + 8)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, trust_env=False) as client:
+    async with _make_client(spec.concurrency) as client:
         async def worker() -> None:
             nonlocal next_index
             while next_index < len(spec.prompts):
@@ -138,7 +171,13 @@ async def _run_share(spec: LevelSpec) -> list[RequestRecord]:
 
 
 def _run_share_sync(spec: LevelSpec) -> list[dict[str, Any]]:
-    return [asdict(r) for r in asyncio.run(_run_share(spec))]
+    try:
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return [asdict(r) for r in runner.run(_run_share(spec))]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -241,7 +280,7 @@ def vocab_size_from(root: str | None) -> int | None:
 
 
 def default_num_procs(concurrency: int) -> int:
-    return max(1, min((os.cpu_count() or 1) // 4, math.ceil(concurrency / 128)))
+    return max(1, min((os.cpu_count() or 1) // 2, math.ceil(concurrency / 96)))
 
 
 def build_payload(args: argparse.Namespace, model: str, max_tokens: int) -> dict[str, Any]:
