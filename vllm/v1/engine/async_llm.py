@@ -25,6 +25,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -32,6 +33,8 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import RequestStatsTracker
 
 logger = logging.getLogger(__name__)
+# NOTE: most queued engine steps processed in one go before the event loop serves the streams again.
+_MAX_STEPS_PER_WAKE = 64
 
 PromptType = str | Mapping[str, Any]
 
@@ -140,14 +143,16 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
-                processed = self.output_processor.process_outputs(outputs.outputs)
-                if processed.reqs_to_abort:
-                    await self.engine_core.abort_requests_async(processed.reqs_to_abort)
-                if self.log_stats:
-                    self.stat_logger.record_iteration(
-                        self.request_stats.update(outputs.outputs, processed.reqs_to_abort))
-                    if outputs.scheduler_stats is not None:
-                        self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+                # NOTE: every step already queued is processed before the streams run again. When the HTTP side
+                # lags behind the engine, the streams then find several steps merged in their collectors and
+                # send one chunk for all of them, instead of one chunk per step falling further behind.
+                for _ in range(_MAX_STEPS_PER_WAKE):
+                    await self._process_engine_outputs(outputs)
+                    outputs = self.engine_core.get_output_nowait()
+                    if outputs is None:
+                        break
+                else:
+                    await self._process_engine_outputs(outputs)
         except EngineDeadError as e:
             logger.error("The engine core died: %s", e)
             self._fail_all(e)
@@ -157,6 +162,15 @@ class AsyncLLM:
             logger.exception("The output handler failed.")
             self._fail_all(EngineDeadError(f"The output handler failed: {e!r}"))
             self.engine_core.dead_error = EngineDeadError(f"The output handler failed: {e!r}")
+
+    async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+        if self.log_stats:
+            self.stat_logger.record_iteration(self.request_stats.update(outputs.outputs, processed.reqs_to_abort))
+            if outputs.scheduler_stats is not None:
+                self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
 
     def _fail_all(self, error: BaseException) -> None:
         queues = {id(s.queue): s.queue for s in self.output_processor.request_states.values() if s.queue is not None}

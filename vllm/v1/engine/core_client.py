@@ -213,6 +213,16 @@ class AsyncMPClient(MPClient):
     def __init__(self, vllm_config: VllmConfig, engine_core_factory: Callable[[VllmConfig], Any] | None = None,
                  start_method: str = "spawn") -> None:
         super().__init__(vllm_config, True, engine_core_factory, start_method)
+        # NOTE: a plain view of the output socket for non-blocking reads of what is already queued.
+        self._sync_output = zmq.Socket.shadow(self.output_socket.underlying)
+
+    def get_output_nowait(self) -> EngineCoreOutputs | None:
+        """The next queued engine-core output, or None when none has arrived yet (never waits)."""
+        try:
+            kind, payload = self._sync_output.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return self._decode_output(kind, payload)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._check_alive()
