@@ -139,3 +139,25 @@ def test_async_client_streams_outputs() -> None:
             client.shutdown()
 
     assert asyncio.run(run()) == [2, 3, 4]
+
+
+def test_async_client_get_output_nowait_reads_only_what_is_queued() -> None:
+    """get_output_nowait never waits: None before the core has sent anything, then the queued steps in order."""
+    import time
+
+    async def run() -> tuple[object, list[int]]:
+        client = AsyncMPClient(None, engine_core_factory=FakeEngineCore, start_method="fork")  # type: ignore[arg-type]
+        try:
+            first = client.get_output_nowait()
+            await client.add_request_async(_request("a", [5, 5], 4))
+            time.sleep(1.0)  # the core runs all four steps; their outputs wait in the socket
+            tokens: list[int] = []
+            while (outputs := client.get_output_nowait()) is not None:
+                tokens += [t for o in outputs.outputs for t in o.new_token_ids]
+            return first, tokens
+        finally:
+            client.shutdown()
+
+    first, tokens = asyncio.run(run())
+    assert first is None
+    assert tokens == [2, 3, 4, 5]
