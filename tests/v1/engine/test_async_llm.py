@@ -1,0 +1,47 @@
+"""AsyncLLM on the bundled model (engine core in its own process): a stream that falls behind gets the steps it
+has not taken merged into fewer outputs, with the same tokens, logprobs and masks as a request that was read
+to the end in one piece (the reference: a FINAL_ONLY request with the same seed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM
+
+NUM_TOKENS = 24
+
+
+def test_lagging_stream_gets_merged_outputs() -> None:
+    async def run() -> tuple[list, object]:
+        config = EngineArgs(max_num_seqs=4, max_model_len=128, return_sampling_mask=True,
+                            logprobs_mode="processed_logprobs").create_engine_config()
+        engine = AsyncLLM(config, log_stats=False)
+        try:
+            def params(kind: RequestOutputKind) -> SamplingParams:
+                return SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=NUM_TOKENS, ignore_eos=True,
+                                      logprobs=1, output_kind=kind)
+
+            prompt = {"prompt_token_ids": [5, 17, 42, 9]}
+            slow = await engine.add_request("slow", prompt, params(RequestOutputKind.DELTA))
+            ref = await engine.add_request("ref", prompt, params(RequestOutputKind.FINAL_ONLY))
+            final = [o async for o in engine.stream_outputs("ref", ref)][-1]
+            # Both requests ran in the same steps: by now every step of "slow" is in its collector, unread.
+            deltas = [o async for o in engine.stream_outputs("slow", slow)]
+            return deltas, final
+        finally:
+            engine.shutdown()
+
+    deltas, final = asyncio.run(run())
+    want = final.outputs[0]
+    assert len(want.token_ids) == NUM_TOKENS
+    assert 1 <= len(deltas) < NUM_TOKENS and deltas[-1].finished
+    got_ids = [t for d in deltas for t in d.outputs[0].token_ids]
+    assert got_ids == want.token_ids
+    got_lp = [lp for d in deltas for lp in d.outputs[0].logprobs]
+    assert got_lp == want.logprobs
+    got_masks = [m for d in deltas for m in d.outputs[0].sampling_mask.token_ids]
+    assert got_masks == want.sampling_mask.token_ids
+    assert all(t in m for t, m in zip(got_ids, got_masks))
+    assert deltas[-1].outputs[0].finish_reason == "length"
