@@ -40,7 +40,12 @@ def test_lagging_stream_gets_merged_outputs() -> None:
     got_ids = [t for d in deltas for t in d.outputs[0].token_ids]
     assert got_ids == want.token_ids
     got_lp = [lp for d in deltas for lp in d.outputs[0].logprobs]
-    assert got_lp == want.logprobs
+    # NOTE: the two requests may share some steps and not others (batch shape), so values agree to float noise.
+    assert len(got_lp) == len(want.logprobs) == NUM_TOKENS
+    for got, ref in zip(got_lp, want.logprobs):
+        assert got.keys() == ref.keys()
+        for tid in got:
+            assert got[tid].rank == ref[tid].rank and abs(got[tid].logprob - ref[tid].logprob) < 1e-4
     got_masks = [m for d in deltas for m in d.outputs[0].sampling_mask.token_ids]
     assert got_masks == want.sampling_mask.token_ids
     assert all(t in m for t, m in zip(got_ids, got_masks))
