@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call: CUDA tests, kernel benchmarks, backend check,
-# offline throughput. Results land in $OUT (the device tool's output folder) or ./out.
-#   device run: bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
+# offline throughput, serving A/B. Results land in $OUT (the device tool's output folder) or ./out; with
+# PACK=1 they are also packed into $OUT/all.tgz (the device tool returns only a few files, and no deep folders).
+#   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
+# Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if [ ! -d /tmp/site/msgspec ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -20,7 +22,7 @@ for s in $stages; do
     hostprof) python3 tools/gpu_host_profile.py --num-prompts 512 --output-len 64 2>&1 | grep -v Warning | tee "$OUT/host_profile.txt" ;;
     sampler) python3 benchmarks/kernels/benchmark_sampler.py --out "$OUT/sampler_bench.json" 2>&1 | tee "$OUT/sampler_bench.txt" ;;
     backend) python3 tools/gpu_backend_check.py 2>&1 | grep -v Warning | tee "$OUT/backend_check.txt" ;;
-    mask) python3 benchmarks/kernels/benchmark_sampling_mask.py --tilings --out "$OUT/mask_bench.json" 2>&1 | tee "$OUT/mask_bench.txt" ;;
+    mask) python3 benchmarks/kernels/benchmark_sampling_mask.py ${MASK_ARGS:-} --out "$OUT/mask_bench.json" 2>&1 | tee "$OUT/mask_bench.txt" ;;
     attn) python3 benchmarks/kernels/benchmark_attention.py --batch-sizes 64 256 512 --context 384 2>&1 | tee "$OUT/attn_bench.txt" ;;
     throughput_base)  # the same offline run on the code before the GPU issue (a snapshot in .snap_base)
       (cd .snap_base && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/benchmark_throughput.py \
@@ -41,3 +43,6 @@ for s in $stages; do
     ab) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
   esac
 done
+if [ "${PACK:-0}" = 1 ]; then
+  tar czf /tmp/gpu_run_all.tgz -C "$OUT" . && mv /tmp/gpu_run_all.tgz "$OUT/all.tgz"
+fi
