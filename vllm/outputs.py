@@ -30,13 +30,22 @@ class SamplingMask:
     ids per token) never pays for hundreds of Python ints per token.
     """
 
-    __slots__ = ("_arrays", "_token_ids")
+    __slots__ = ("_arrays", "_token_ids", "_texts")
 
-    def __init__(self, token_ids: list[list[int]] | None = None, *, arrays: Sequence[np.ndarray] | None = None):
+    def __init__(self, token_ids: list[list[int]] | None = None, *, arrays: Sequence[np.ndarray] | None = None,
+                 texts: Sequence[np.ndarray] | None = None):
         if token_ids is not None and arrays is not None:
             raise ValueError("SamplingMask takes token_ids or arrays, not both.")
         self._arrays = list(arrays) if arrays is not None else None
         self._token_ids = None if arrays is not None else (token_ids if token_ids is not None else [])
+        # The API server's JSON text of each token's ids ("[3,17,42]" as uint8), when the engine made it.
+        self._texts = list(texts) if texts is not None else None
+
+    def json_text(self) -> bytes | None:
+        """`token_ids` as JSON (a list of lists, no spaces) from the engine's text, or None without it."""
+        if self._texts is None:
+            return None
+        return b"[" + b",".join(self._texts) + b"]"
 
     @property
     def token_ids(self) -> list[list[int]]:
@@ -62,8 +71,9 @@ class SamplingMask:
 
     def concat(self, other: SamplingMask) -> SamplingMask:
         """The masks of this output's tokens followed by `other`'s (for merging streamed deltas)."""
+        texts = self._texts + other._texts if self._texts is not None and other._texts is not None else None
         if self._arrays is not None and other._arrays is not None:
-            return SamplingMask(arrays=self._arrays + other._arrays)
+            return SamplingMask(arrays=self._arrays + other._arrays, texts=texts)
         return SamplingMask(self.token_ids + other.token_ids)
 
     def __len__(self) -> int:

@@ -78,6 +78,31 @@ class SamplingMaskLists(NamedTuple):
         return [ids[offs[i]:offs[i + 1]].tolist() for i in range(len(offs) - 1)]
 
 
+class SamplingMaskText(NamedTuple):
+    """The step's supports as JSON text, for the API server: position p's "[3,17,42]" is
+    text[offsets[p]:offsets[p+1]] (rows aligned with the step's SamplingMaskLists). `offsets=None`: one position."""
+
+    # [total_bytes] uint8
+    text: np.ndarray
+    # [num_positions + 1] int64, or None for a single position.
+    offsets: np.ndarray | None
+    cu_num_generated_tokens: list[int] | None = None
+
+    def slice_request(self, req_idx: int, num_positions: int = 1) -> SamplingMaskText:
+        assert self.offsets is not None, "slice_request needs the step's offsets"
+        start, end = _position_range(self.cu_num_generated_tokens, req_idx, num_positions)
+        lo, hi = int(self.offsets[start]), int(self.offsets[end])
+        if num_positions == 1:
+            return SamplingMaskText(self.text[lo:hi], None, None)
+        return SamplingMaskText(self.text[lo:hi], self.offsets[start:end + 1] - lo, None)
+
+    def rows(self) -> list[np.ndarray]:
+        """One uint8 array (the JSON text) per position."""
+        if self.offsets is None:
+            return [self.text]
+        return np.split(self.text, self.offsets[1:-1])
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     # [num_reqs]
@@ -87,6 +112,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
     sampling_masks: SamplingMaskLists | None = None
+    # The same supports as JSON text, when the API server asked for it (ModelConfig.sampling_mask_text).
+    sampling_mask_text: SamplingMaskText | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.outputs import LogprobsLists, SamplingMaskLists
+from vllm.v1.outputs import LogprobsLists, SamplingMaskLists, SamplingMaskText
 
 NDARRAY_EXT_CODE = 1
 _HEADER_LEN = struct.Struct("<I")
@@ -94,43 +94,71 @@ class MsgpackDecoder:
         return obj
 
 
-def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
-    """A copy of `outputs` whose per-output logprobs / masks are concatenated into `step_arrays`:
-    (lp_outputs, lp_rows, lp_token_ids, lp_logprobs, lp_ranks, mask_outputs, mask_positions, mask_sizes,
-    mask_token_ids): the indices of the outputs that carry logprobs and their row counts, the rows stacked;
-    the same for masks with one size per position and every position's ids concatenated."""
-    outs = outputs.outputs
-    lp = [(i, o.new_logprobs) for i, o in enumerate(outs) if o.new_logprobs is not None]
-    masks = [(i, o.new_sampling_mask) for i, o in enumerate(outs) if o.new_sampling_mask is not None]
-    if not lp and not masks:
-        return outputs
-    lp_arrays: tuple[Any, ...] = (None, None, None)
-    if lp:
-        lp_arrays = tuple(np.concatenate([np.asarray(x[f]) for _, x in lp]) for f in range(3))
+def _pack_csr(items: list[tuple[int, Any]], field: str) -> tuple[list[int], list[int], np.ndarray | None,
+                                                                  np.ndarray | None]:
+    """(output indices, positions per output, one size per position, the data concatenated) of the
+    SamplingMaskLists / SamplingMaskText slices in `items` (`field` names their data array)."""
     sizes: list[int] = []
     positions: list[int] = []
-    for _, m in masks:
+    for _, m in items:
         if m.offsets is None:
-            sizes.append(len(m.token_ids))
+            sizes.append(len(getattr(m, field)))
             positions.append(1)
         else:
             sizes.extend(np.diff(m.offsets).tolist())
             positions.append(len(m.offsets) - 1)
-    mask_ids = np.concatenate([m.token_ids for _, m in masks]).astype(np.int32, copy=False) if masks else None
-    new_outs = [o if o.new_logprobs is None and o.new_sampling_mask is None
-                else msgspec.structs.replace(o, new_logprobs=None, new_sampling_mask=None) for o in outs]
-    step_arrays = ([i for i, _ in lp], [len(x.logprob_token_ids) for _, x in lp], *lp_arrays,
-                   [i for i, _ in masks], positions, np.array(sizes, dtype=np.int64), mask_ids)
+    if not items:
+        return [], [], None, None
+    data = np.concatenate([getattr(m, field) for _, m in items])
+    return [i for i, _ in items], positions, np.array(sizes, dtype=np.int64), data
+
+
+def _unpack_csr(outs: list[Any], attr: str, cls: Any, indices: list[int], positions: list[int],
+                sizes: np.ndarray, data: np.ndarray) -> None:
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    offs = offsets.tolist()
+    p = 0
+    for i, n in zip(indices, positions):
+        lo = offs[p]
+        setattr(outs[i], attr, cls(data[lo:offs[p + 1]], None, None) if n == 1 else
+                cls(data[lo:offs[p + n]], offsets[p:p + n + 1] - lo))
+        p += n
+
+
+def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+    """A copy of `outputs` whose per-output logprobs / masks / mask texts are concatenated into `step_arrays`:
+    (lp_outputs, lp_rows, lp_token_ids, lp_logprobs, lp_ranks, *mask_csr, *text_csr): the indices of the outputs
+    that carry logprobs and their row counts, the rows stacked; for masks and their JSON texts, the output
+    indices, positions per output, one size per position and every position's data concatenated."""
+    outs = outputs.outputs
+    lp = [(i, o.new_logprobs) for i, o in enumerate(outs) if o.new_logprobs is not None]
+    masks = [(i, o.new_sampling_mask) for i, o in enumerate(outs) if o.new_sampling_mask is not None]
+    texts = [(i, o.new_sampling_mask_text) for i, o in enumerate(outs) if o.new_sampling_mask_text is not None]
+    if not lp and not masks and not texts:
+        return outputs
+    lp_arrays: tuple[Any, ...] = (None, None, None)
+    if lp:
+        lp_arrays = tuple(np.concatenate([np.asarray(x[f]) for _, x in lp]) for f in range(3))
+    mask_csr = _pack_csr(masks, "token_ids")
+    if mask_csr[3] is not None:
+        mask_csr = (*mask_csr[:3], mask_csr[3].astype(np.int32, copy=False))
+    new_outs = [o if o.new_logprobs is None and o.new_sampling_mask is None and o.new_sampling_mask_text is None
+                else msgspec.structs.replace(o, new_logprobs=None, new_sampling_mask=None,
+                                             new_sampling_mask_text=None) for o in outs]
+    step_arrays = ([i for i, _ in lp], [len(x.logprob_token_ids) for _, x in lp], *lp_arrays, *mask_csr,
+                   *_pack_csr(texts, "text"))
     return msgspec.structs.replace(outputs, outputs=new_outs, step_arrays=step_arrays)
 
 
 def unpack_step_arrays(outputs: EngineCoreOutputs) -> None:
     """Inverse of `pack_step_arrays`, in place: every output gets its LogprobsLists (lists of Python numbers,
-    row p = position p) and SamplingMaskLists (int32 views, offsets None for one position) back."""
+    row p = position p), SamplingMaskLists (int32 views) and SamplingMaskText (uint8 views) back, offsets None
+    for one position."""
     if outputs.step_arrays is None:
         return
-    lp_outputs, lp_rows, lp_ids, lp_values, lp_ranks, mask_outputs, mask_positions, sizes, mask_ids = \
-        outputs.step_arrays
+    lp_outputs, lp_rows, lp_ids, lp_values, lp_ranks = outputs.step_arrays[:5]
+    mask_csr, text_csr = outputs.step_arrays[5:9], outputs.step_arrays[9:13]
     outputs.step_arrays = None
     outs = outputs.outputs
     if lp_outputs:
@@ -139,13 +167,7 @@ def unpack_step_arrays(outputs: EngineCoreOutputs) -> None:
         for i, n in zip(lp_outputs, lp_rows):
             outs[i].new_logprobs = LogprobsLists(ids[p:p + n], values[p:p + n], ranks[p:p + n], None)
             p += n
-    if mask_outputs:
-        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        offs = offsets.tolist()
-        p = 0
-        for i, n in zip(mask_outputs, mask_positions):
-            lo = offs[p]
-            outs[i].new_sampling_mask = (SamplingMaskLists(mask_ids[lo:offs[p + 1]], None, None) if n == 1 else
-                                         SamplingMaskLists(mask_ids[lo:offs[p + n]], offsets[p:p + n + 1] - lo))
-            p += n
+    if mask_csr[0]:
+        _unpack_csr(outs, "new_sampling_mask", SamplingMaskLists, *mask_csr)
+    if text_csr[0]:
+        _unpack_csr(outs, "new_sampling_mask_text", SamplingMaskText, *text_csr)

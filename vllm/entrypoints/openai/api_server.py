@@ -162,6 +162,8 @@ async def run_server(args: argparse.Namespace) -> int:
     """Start the engine and serve until shutdown; returns the process exit code (1 when the engine died)."""
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
+    # NOTE: the server streams masks as JSON: let the engine format them on the device (ops/mask_json.py).
+    vllm_config.model_config.sampling_mask_text = vllm_config.model_config.return_sampling_mask
     engine = AsyncLLM(vllm_config)
     try:
         app = build_app(engine, args.api_key)

@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import msgspec
+
 from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
 from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -91,8 +93,14 @@ class OpenAIServingCompletion(OpenAIServing):
         return base_id, request_ids, gens
 
     def _choice(self, request: CompletionRequest, index: int, out: RequestOutput, c: CompletionOutput,
-                text_offset: int, prefix: str = "", first: bool = True) -> dict[str, Any]:
-        """One choice with CompletionResponseChoice's fields, as a plain dict (streamed chunks skip pydantic)."""
+                text_offset: int, prefix: str = "", first: bool = True, raw_mask: bool = False) -> dict[str, Any]:
+        """One choice with CompletionResponseChoice's fields, as a plain dict (streamed chunks skip pydantic).
+
+        raw_mask (streaming, encoded by msgspec): the mask goes in as the engine's JSON text when it has it."""
+        mask: Any = None
+        if c.sampling_mask is not None:
+            text = c.sampling_mask.json_text() if raw_mask else None
+            mask = msgspec.Raw(text) if text is not None else c.sampling_mask.token_ids
         return {
             "index": index, "text": prefix + c.text,
             "logprobs": (self.completion_logprobs(c.token_ids, c.logprobs, request.logprobs or 0, text_offset)
@@ -100,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             "token_ids": list(c.token_ids) if request.return_token_ids else None,
             "prompt_token_ids": list(out.prompt_token_ids or []) if request.return_token_ids and first else None,
-            "sampling_mask": c.sampling_mask.token_ids if c.sampling_mask is not None else None,
+            "sampling_mask": mask,
         }
 
     @staticmethod
@@ -147,7 +155,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 first = not started[index]
                 started[index] = True
                 prefix = (out.prompt or "") if first and request.echo else ""
-                choice = self._choice(request, index, out, c, offsets[index], prefix, first)
+                choice = self._choice(request, index, out, c, offsets[index], prefix, first, raw_mask=True)
                 offsets[index] += len(choice["text"])
                 usage.completion_tokens += len(c.token_ids)
                 yield sse(self._chunk(base_id, created, model, [choice]))

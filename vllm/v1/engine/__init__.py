@@ -43,6 +43,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # SamplingMaskText slice (the same masks as JSON text) when the API server asked for it, or None.
+    new_sampling_mask_text: Any = None
 
     @property
     def finished(self) -> bool:

@@ -33,7 +33,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.engine.logprobs import LogprobsProcessor
 from vllm.v1.engine.parallel_sampling import ParentRequest
-from vllm.v1.outputs import SamplingMaskLists
+from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
 
 
 class OutputQueue(Protocol):
@@ -151,6 +151,8 @@ class RequestState:
         # One ascending int32 id array per output token, or None while the engine core sends no masks.
         # NOTE: kept as arrays (views of the step's CSR); SamplingMask turns them into lists only on access.
         self.sampling_masks: list[np.ndarray] | None = None
+        # The same masks as JSON text (uint8), one per output token, when the engine sends them (API server).
+        self.sampling_mask_texts: list[np.ndarray] | None = None
         self.queue = queue
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
@@ -176,6 +178,19 @@ class RequestState:
             self.sampling_masks = []
         self.sampling_masks.extend(masks[:num_kept])
 
+    def append_sampling_mask_texts(self, new_text: SamplingMaskText | None, num_kept: int) -> None:
+        """Append the JSON texts of the step's first `num_kept` tokens; texts stop for good at the first step
+        without them (they are an optimisation of the server, the arrays stay the truth)."""
+        if new_text is None:
+            self.sampling_mask_texts = None
+            return
+        if self.sampling_masks is None or (self.sampling_mask_texts is None
+                                           and len(self.sampling_masks) != num_kept):
+            return
+        if self.sampling_mask_texts is None:
+            self.sampling_mask_texts = []
+        self.sampling_mask_texts.extend(new_text.rows()[:num_kept])
+
     def make_completion_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                                stop_reason: int | str | None) -> CompletionOutput | None:
         """This step's CompletionOutput (None for FINAL_ONLY until the request finishes)."""
@@ -195,7 +210,12 @@ class RequestState:
         sampling_mask: SamplingMask | None = None
         if self.sampling_masks is not None:
             masks = self.sampling_masks[len(self.sampling_masks) - num_new:] if delta else list(self.sampling_masks)
-            sampling_mask = SamplingMask(arrays=masks)
+            texts = self.sampling_mask_texts
+            if texts is not None and len(texts) == len(self.sampling_masks):
+                texts = texts[len(texts) - num_new:] if delta else list(texts)
+            else:
+                texts = None
+            sampling_mask = SamplingMask(arrays=masks, texts=texts)
         return CompletionOutput(
             index=self.index,
             text=text,
@@ -343,6 +363,8 @@ class OutputProcessor:
             kept_token_ids = new_token_ids[:num_kept]
             state.logprobs_processor.update(eco.new_logprobs, num_kept)
             state.append_sampling_masks(eco.new_sampling_mask, len(new_token_ids), num_kept)
+            if num_kept:
+                state.append_sampling_mask_texts(eco.new_sampling_mask_text, num_kept)
             state.update_stats(num_kept)
 
             if state.parent is not None:

@@ -41,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.v1.outputs import SamplingMaskLists
+from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
 from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
+from vllm.v1.sample.ops.mask_json import format_json_rows, pack_json_rows
 
 MAX_COMPACT_SUPPORT = 2048
 
@@ -158,10 +159,14 @@ class SamplingMaskTensors(NamedTuple):
     def max_num_kept(self) -> int:
         return self.token_ids.shape[1]
 
-    def to_cpu_nonblocking(self, copy_packed_mask: bool = False) -> SamplingMaskCopy:
-        """Start the device-to-host copy without blocking; see the module docstring for the protocol."""
+    def to_cpu_nonblocking(self, copy_packed_mask: bool = False, with_text: bool = False) -> SamplingMaskCopy:
+        """Start the device-to-host copy without blocking; see the module docstring for the protocol.
+
+        with_text: also format each row's ids as JSON text on the copy stream (ops/mask_json.py) and copy it,
+        for the API server (`SamplingMaskCopy.text_lists`)."""
         if not self.counts.is_cuda:
-            return SamplingMaskCopy(self, None, None)
+            text = _json_text(self.token_ids, self.counts) if with_text else None
+            return SamplingMaskCopy(self, None, None, *(text or (None, None)))
         device = self.counts.device
         stream = _copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -169,6 +174,9 @@ class SamplingMaskTensors(NamedTuple):
             token_ids = _pinned_copy(self.token_ids)
             counts = _pinned_copy(self.counts)
             packed_mask = _pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
+            text, text_lengths = None, None
+            if with_text:
+                text, text_lengths = (_pinned_copy(t) for t in _json_text(self.token_ids, self.counts))
             event = torch.cuda.Event()
             event.record(stream)
         # NOTE: the caller may drop the device tensors before the side-stream copies have run.
@@ -176,7 +184,7 @@ class SamplingMaskTensors(NamedTuple):
         self.counts.record_stream(stream)
         self.packed_mask.record_stream(stream)
         return SamplingMaskCopy(SamplingMaskTensors(token_ids, packed_mask, counts, self.vocab_size), event,
-                                stream)
+                                stream, text, text_lengths)
 
     def tolists(self) -> SamplingMaskLists:
         """CSR of the step (one row per request, offsets [num_reqs+1] int64); synchronous on device tensors."""
@@ -192,6 +200,9 @@ class SamplingMaskCopy:
     # Recorded on the copy stream after the host copies; None on CPU.
     ready: torch.cuda.Event | None
     stream: torch.cuda.Stream | None
+    # With `with_text`: [R * W] uint8 row texts packed back to back, and [R] int32 lengths (-1: formatted here).
+    text: torch.Tensor | None = None
+    text_lengths: torch.Tensor | None = None
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -201,6 +212,39 @@ class SamplingMaskCopy:
         """Wait for the copy and build the CSR; gathers device bitmask rows only for overflow rows."""
         self.wait()
         return _tolists(self.tensors, self.stream)
+
+    def text_lists(self, lists: SamplingMaskLists) -> SamplingMaskText | None:
+        """The rows of `lists` (this copy's `tolists()`) as JSON text; None without `with_text`. Rows whose
+        support overflowed K on the device are formatted here from `lists`."""
+        if self.text is None or self.text_lengths is None:
+            return None
+        self.wait()
+        lengths = self.text_lengths.numpy().astype(np.int64)  # [R]
+        text = self.text.numpy()
+        overflow = np.flatnonzero(lengths < 0)
+        if not len(overflow):
+            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            # NOTE: copied out of the pinned buffer, which a later step reuses.
+            return SamplingMaskText(text[:offsets[-1]].copy(), offsets)
+        assert lists.offsets is not None
+        pieces: list[bytes] = []
+        pos = 0
+        for r, n in enumerate(lengths.tolist()):
+            if n >= 0:
+                pieces.append(text[pos:pos + n].tobytes())
+                pos += n
+            else:
+                ids = lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]]
+                pieces.append(b"[" + b",".join(str(i).encode() for i in ids.tolist()) + b"]")
+        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in pieces], out=offsets[1:])
+        return SamplingMaskText(np.frombuffer(b"".join(pieces), dtype=np.uint8), offsets)
+
+
+def _json_text(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    text, lengths = format_json_rows(token_ids, counts)
+    return pack_json_rows(text, lengths), lengths
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
+from vllm.v1.sample.sampling_mask import SamplingMaskCopy, SamplingMaskTensors
 
 
 class AsyncModelRunnerOutput:
@@ -73,8 +74,11 @@ def _copy_to_host(host: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 
 class AsyncOutputCopier:
-    def __init__(self, device: torch.device, max_num_reqs: int, max_num_logprobs: int, use_thread: bool) -> None:
+    def __init__(self, device: torch.device, max_num_reqs: int, max_num_logprobs: int, use_thread: bool,
+                 mask_text: bool = False) -> None:
         self.device = device
+        # Also turn the sampling masks into JSON text (on the copy stream), for the API server.
+        self.mask_text = mask_text
         on_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if on_cuda else None
         self._slots = [_HostSlot(max_num_reqs, max_num_logprobs + 1, on_cuda) for _ in range(2)] if on_cuda else []
@@ -101,7 +105,11 @@ class AsyncOutputCopier:
                                                    _copy_to_host(slot.ranks, logprobs[2]))
                 event = slot.event
                 event.record(self.copy_stream)
-        mask_copy = sampling_mask.to_cpu_nonblocking() if sampling_mask is not None else None
+        mask_copy = None
+        if isinstance(sampling_mask, SamplingMaskTensors):
+            mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text)
+        elif sampling_mask is not None:
+            mask_copy = sampling_mask.to_cpu_nonblocking()
         args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy)
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
@@ -128,6 +136,8 @@ def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Eve
         lists = logprobs.tolists()
         logprobs_lists = LogprobsLists(*(np.array(a) for a in lists[:3]), lists.cu_num_generated_tokens)
     masks: SamplingMaskLists | None = mask_copy.tolists() if mask_copy is not None else None
+    text = mask_copy.text_lists(masks) if isinstance(mask_copy, SamplingMaskCopy) and masks is not None else None
     output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                               sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks)
+                               sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
+                               sampling_mask_text=text)
     return output, sampled_np

@@ -77,7 +77,8 @@ class ModelRunner:
         self.pad_eager_decode = False
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.output_copier = AsyncOutputCopier(self.device, self.max_num_reqs, mc.max_logprobs,
-                                               use_thread=self.async_scheduling)
+                                               use_thread=self.async_scheduling,
+                                               mask_text=mc.return_sampling_mask and mc.sampling_mask_text)
         # [num_reqs of the previous sampling step] int64, on the device
         self._prev_sampled: torch.Tensor | None = None
 

@@ -207,6 +207,7 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         logprobs = model_runner_output.logprobs
         sampling_masks = model_runner_output.sampling_masks
+        mask_text = model_runner_output.sampling_mask_text
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         mask_sizes: list[int] = []
@@ -235,9 +236,11 @@ class Scheduler:
             new_logprobs = None
             if logprobs is not None and params.logprobs is not None:
                 new_logprobs = logprobs.slice_request(req_idx, num_new)
-            new_sampling_mask = None
+            new_sampling_mask = new_sampling_mask_text = None
             if sampling_masks is not None and params.return_sampling_mask is not False:
                 new_sampling_mask = sampling_masks.slice_request(req_idx, num_new)
+                if mask_text is not None:
+                    new_sampling_mask_text = mask_text.slice_request(req_idx, num_new)
                 sizes = ([len(new_sampling_mask.token_ids)] if new_sampling_mask.offsets is None
                          else [int(n) for n in (new_sampling_mask.offsets[1:] - new_sampling_mask.offsets[:-1])])
                 mask_sizes.extend(sizes)
@@ -256,6 +259,7 @@ class Scheduler:
                 finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_cached_tokens=0,
+                new_sampling_mask_text=new_sampling_mask_text,
             ))
 
         if stopped:

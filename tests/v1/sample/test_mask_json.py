@@ -1,0 +1,38 @@
+"""The sampling mask's JSON text formatted on the device vs `json.dumps` of the same ids (the reference)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from vllm.v1.sample.ops.mask_json import format_json_rows, max_text_width
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_rows_match_json_dumps() -> None:
+    rng = np.random.default_rng(0)
+    num_kept = 40
+    rows = [[], [0], [9, 10], [99, 100, 999, 1000, 9999, 10000], [151935], [5, 151935, 1_000_000, 9_999_999]]
+    rows += [sorted(rng.choice(151936, size=int(rng.integers(1, num_kept + 1)), replace=False).tolist())
+             for _ in range(30)]
+    rows.append(list(range(num_kept)))  # exactly K ids
+    counts = [len(r) for r in rows] + [num_kept + 5]  # the last row overflows K: formatted on the host
+    token_ids = np.full((len(counts), num_kept), -3, dtype=np.int32)  # junk past each row's count
+    for i, r in enumerate(rows):
+        token_ids[i, :len(r)] = r
+    text, lengths = format_json_rows(torch.from_numpy(token_ids).to(DEVICE), torch.tensor(counts).to(DEVICE))
+    assert text.shape == (len(counts), max_text_width(num_kept)) and text.dtype == torch.uint8
+    text_np, lengths_np = text.cpu().numpy(), lengths.cpu().numpy()
+    for i, r in enumerate(rows):
+        assert text_np[i, :lengths_np[i]].tobytes() == json.dumps(r, separators=(",", ":")).encode(), i
+    assert lengths_np[-1] == -1
+
+
+def test_no_rows_and_no_columns() -> None:
+    text, lengths = format_json_rows(torch.zeros((0, 8), dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    assert text.shape == (0, max_text_width(8)) and lengths.shape == (0,)
+    text, lengths = format_json_rows(torch.zeros((2, 0), dtype=torch.int32), torch.tensor([0, 3]))
+    assert text[0, :2].tolist() == list(b"[]") and lengths.tolist() == [2, -1]
