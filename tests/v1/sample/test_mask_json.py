@@ -36,3 +36,27 @@ def test_no_rows_and_no_columns() -> None:
     assert text.shape == (0, max_text_width(8)) and lengths.shape == (0,)
     text, lengths = format_json_rows(torch.zeros((2, 0), dtype=torch.int32), torch.tensor([0, 3]))
     assert text[0, :2].tolist() == list(b"[]") and lengths.tolist() == [2, -1]
+
+
+def test_copy_text_lists_match_the_lists_including_overflow_rows() -> None:
+    """SamplingMaskCopy.text_lists (device text packed back to back, overflow rows formatted on the host) gives,
+    row by row, json.dumps of the same row of tolists()."""
+    from vllm.v1.sample.sampling_mask import SamplingMaskTensors
+
+    rng = np.random.default_rng(1)
+    vocab, num_reqs = 3000, 6
+    logits = np.full((num_reqs, vocab), -np.inf, dtype=np.float32)
+    for r, size in enumerate([0, 3, 16, 17, 200, 5]):  # K = 16: rows of 17 and 200 overflow to the bitmask
+        logits[r, rng.choice(vocab, size=size, replace=False)] = rng.standard_normal(size)
+    num_sampled = torch.ones(num_reqs, dtype=torch.int32)
+    num_sampled[5] = 0  # sampled nothing: an empty row
+    mask = SamplingMaskTensors.from_logits(torch.from_numpy(logits).to(DEVICE), num_sampled.to(DEVICE), 16)
+    copy = mask.to_cpu_nonblocking(with_text=True)
+    lists = copy.tolists()
+    text = copy.text_lists(lists)
+    assert text is not None and len(text.offsets) == num_reqs + 1
+    rows = text.rows()
+    for r in range(num_reqs):
+        ids = lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]].tolist()
+        assert rows[r].tobytes() == json.dumps(ids, separators=(",", ":")).encode(), r
+    assert mask.to_cpu_nonblocking().text_lists(lists) is None
