@@ -40,6 +40,8 @@ class SamplingMask:
         self._token_ids = None if arrays is not None else (token_ids if token_ids is not None else [])
         # The API server's JSON text of each token's ids ("[3,17,42]" as uint8), when the engine made it.
         self._texts = list(texts) if texts is not None else None
+        if self._texts is not None and (self._arrays is None or len(self._texts) != len(self._arrays)):
+            raise ValueError("SamplingMask texts need arrays, one text per token.")
 
     def json_text(self) -> bytes | None:
         """`token_ids` as JSON (a list of lists, no spaces) from the engine's text, or None without it."""

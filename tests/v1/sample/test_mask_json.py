@@ -60,3 +60,34 @@ def test_copy_text_lists_match_the_lists_including_overflow_rows() -> None:
         ids = lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]].tolist()
         assert rows[r].tobytes() == json.dumps(ids, separators=(",", ":")).encode(), r
     assert mask.to_cpu_nonblocking().text_lists(lists) is None
+
+
+def test_kernels_match_the_torch_formatter() -> None:
+    """json_rows_packed (Triton, interpreted on CPU) gives the bytes and lengths of format_json_rows +
+    pack_json_rows (torch), including overflow rows, ids of 7 and 8 digits (8: left to the host) and K = 1."""
+    from vllm.v1.sample.ops.mask_json import format_json_rows, json_rows_packed, pack_json_rows
+
+    rng = np.random.default_rng(2)
+    for num_kept in (1, 5, 37):
+        rows = [sorted(rng.choice(151936, size=int(rng.integers(0, num_kept + 1)), replace=False).tolist())
+                for _ in range(9)]
+        rows[0] = [9_999_999][:num_kept]
+        rows[1] = [3, 10_000_000][:num_kept]
+        counts = [len(r) for r in rows] + [num_kept + 1]
+        token_ids = np.zeros((len(counts), num_kept), dtype=np.int32)
+        for i, r in enumerate(rows):
+            token_ids[i, :len(r)] = r
+        ids_t, counts_t = torch.from_numpy(token_ids).to(DEVICE), torch.tensor(counts, dtype=torch.int32).to(DEVICE)
+        text, lengths = json_rows_packed(ids_t, counts_t)
+        ref_text, ref_lengths = format_json_rows(ids_t, counts_t)
+        ref_packed = pack_json_rows(ref_text, ref_lengths)
+        assert lengths.tolist() == ref_lengths.tolist()
+        total = int(lengths.clamp(min=0).sum())
+        assert text[:total].tolist() == ref_packed[:total].tolist()
+        pos = 0
+        for r, n in zip(rows, lengths.tolist()):
+            if n < 0:
+                assert max(r, default=0) >= 10 ** 7
+                continue
+            assert text[pos:pos + n].cpu().numpy().tobytes() == json.dumps(r, separators=(",", ":")).encode()
+            pos += n

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
 from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
-from vllm.v1.sample.ops.mask_json import format_json_rows, pack_json_rows
+from vllm.v1.sample.ops.mask_json import json_rows_packed
 
 MAX_COMPACT_SUPPORT = 2048
 
@@ -225,7 +225,7 @@ class SamplingMaskCopy:
         if not len(overflow):
             offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
-            # NOTE: copied out of the pinned buffer, which a later step reuses.
+            # NOTE: copied out of the pinned buffer, so the step's message does not hold it.
             return SamplingMaskText(text[:offsets[-1]].copy(), offsets)
         assert lists.offsets is not None
         pieces: list[bytes] = []
@@ -243,8 +243,7 @@ class SamplingMaskCopy:
 
 
 def _json_text(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    text, lengths = format_json_rows(token_ids, counts)
-    return pack_json_rows(text, lengths), lengths
+    return json_rows_packed(token_ids, counts)
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:

@@ -2,21 +2,31 @@
 
 Role: the API server returns every token's support as a JSON list of ids (`"sampling_mask": [[3,17,42], ...]`).
 Turning int32 arrays into Python ints and then into text costs the server's one Python process ~40 ns per id,
-which at hundreds of ids per token is more than everything else it does per token. `format_json_rows` writes the
-text of each row of the compact [num_reqs, K] ids on the device instead (a few vectorised torch ops, run on the
-mask's copy stream), so the host only slices bytes.
+which at hundreds of ids per token is more than everything else it does per token. The text of each row of the
+compact [num_reqs, K] ids is written on the device instead (on the mask's copy stream), so the host only cuts
+bytes.
+
+- `json_rows_packed` (what the engine uses): two Triton launches, one program per row: the row's text length,
+  then (after a cumsum of the lengths) its text at its offset in one flat buffer, rows back to back.
+- `format_json_rows` / `pack_json_rows`: the same with torch ops, one [R, W] text per row then packed; the
+  reference of the tests and the fallback if the kernels cannot compile.
 
 Invariants:
-- text[r, :lengths[r]] is the JSON array of token_ids[r, :counts[r]], exactly as `json.dumps(ids,
-  separators=(",", ":"))` writes it ("[]" for an empty row); bytes past lengths[r] are undefined.
-- Rows with counts[r] > K (their support is only in the bitmask) get lengths[r] = -1: the host formats them.
-- Ids are non-negative and below 10**MAX_DIGITS.
+- Row r's text is the JSON array of token_ids[r, :counts[r]], exactly as `json.dumps(ids,
+  separators=(",", ":"))` writes it ("[]" for an empty row).
+- Rows with counts[r] > K (their support is only in the bitmask) or an id >= 10**MAX_DIGITS get length -1 and
+  take no bytes: the host formats them.
 """
 
 from __future__ import annotations
 
-import torch
+import logging
 
+import torch
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
 MAX_DIGITS = 7
 _COMMA, _OPEN, _CLOSE, _ZERO = ord(","), ord("["), ord("]"), ord("0")
 
@@ -56,7 +66,8 @@ def format_json_rows(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[tor
     empty = n == 0
     text[:, 1] = torch.where(empty, _CLOSE, text[:, 1])
     lengths = torch.where(empty, 2, 1 + chars.sum(1))
-    lengths = torch.where(counts > num_kept, -1, lengths).to(torch.int32)
+    too_long = (ids >= 10 ** MAX_DIGITS).any(dim=1)
+    lengths = torch.where((counts > num_kept) | too_long, -1, lengths).to(torch.int32)
     return text[:, :width], lengths
 
 
@@ -71,3 +82,95 @@ def pack_json_rows(text: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     flat = torch.empty(num_reqs * width + 1, dtype=torch.uint8, device=text.device)
     flat.scatter_(0, dest.flatten(), text.flatten())
     return flat[:num_reqs * width]
+
+
+@triton.jit
+def _num_digits(ids):
+    # NOTE: up to MAX_DIGITS = 7 digits; longer ids are left to the host (_json_lengths_kernel).
+    return (1 + (ids >= 10).to(tl.int32) + (ids >= 100).to(tl.int32) + (ids >= 1000).to(tl.int32)
+            + (ids >= 10000).to(tl.int32) + (ids >= 100000).to(tl.int32) + (ids >= 1000000).to(tl.int32))
+
+
+@triton.jit
+def _json_lengths_kernel(
+    token_ids_ptr,  # [R, K] int32
+    token_ids_stride,
+    counts_ptr,  # [R] int32
+    lengths_ptr,  # [R] int32 out
+    num_kept,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    count = tl.load(counts_ptr + row)
+    n = tl.minimum(count, num_kept)
+    offs = tl.arange(0, BLOCK_K)
+    valid = offs < n
+    ids = tl.load(token_ids_ptr + row * token_ids_stride + offs, mask=valid, other=0)
+    chars = tl.where(valid, _num_digits(ids) + 1, 0)
+    length = 1 + tl.sum(chars, axis=0) + (n == 0).to(tl.int32)
+    bad = (count > num_kept) | (tl.sum((valid & (ids >= 10_000_000)).to(tl.int32), axis=0) > 0)
+    tl.store(lengths_ptr + row, tl.where(bad, -1, length))
+
+
+@triton.jit
+def _json_write_kernel(
+    token_ids_ptr,  # [R, K] int32
+    token_ids_stride,
+    counts_ptr,  # [R] int32
+    lengths_ptr,  # [R] int32
+    row_start_ptr,  # [R] int64: exclusive prefix of max(lengths, 0)
+    text_ptr,  # [R * W] uint8 out
+    num_kept,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(lengths_ptr + row) >= 0:
+        base = tl.load(row_start_ptr + row)
+        n = tl.minimum(tl.load(counts_ptr + row), num_kept)
+        offs = tl.arange(0, BLOCK_K)
+        valid = offs < n
+        ids = tl.load(token_ids_ptr + row * token_ids_stride + offs, mask=valid, other=0)
+        ndig = _num_digits(ids)
+        chars = tl.where(valid, ndig + 1, 0)
+        start = base + 1 + tl.cumsum(chars, axis=0) - chars
+        rest = ids
+        # Digits from the last one backwards: digit ndig-1-d is rest % 10 after d divisions.
+        for d in tl.static_range(7):  # MAX_DIGITS
+            pos = start + ndig - 1 - d
+            tl.store(text_ptr + pos, (rest % 10 + 48).to(tl.uint8), mask=valid & (ndig > d))
+            rest = rest // 10
+        sep = tl.where(offs == n - 1, 93, 44).to(tl.uint8)  # "]" after the last id, "," otherwise
+        tl.store(text_ptr + start + ndig, sep, mask=valid)
+        tl.store(text_ptr + base, tl.full((), 91, tl.uint8))  # "["
+        if n == 0:
+            tl.store(text_ptr + base + 1, tl.full((), 93, tl.uint8))
+
+
+_kernels_failed = False
+
+
+def json_rows_packed(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_ids: [R, K] int32, counts: [R] int -> (text [R * W] uint8 with the row texts back to back from byte 0,
+    lengths [R] int32, -1 for rows left to the host). No host sync: the buffer has the worst-case size."""
+    global _kernels_failed
+    num_reqs, num_kept = token_ids.shape
+    use_kernels = (token_ids.is_cuda or triton.knobs.runtime.interpret) and not _kernels_failed and num_kept > 0
+    if use_kernels and num_reqs > 0:
+        try:
+            token_ids = token_ids.contiguous()
+            counts = counts.to(device=token_ids.device, dtype=torch.int32).contiguous()
+            lengths = torch.empty(num_reqs, dtype=torch.int32, device=token_ids.device)
+            block = triton.next_power_of_2(num_kept)
+            _json_lengths_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, num_kept,
+                                              BLOCK_K=block)
+            kept = lengths.to(torch.int64).clamp(min=0)
+            row_start = torch.cumsum(kept, dim=0) - kept  # [R] int64
+            text = torch.empty(num_reqs * max_text_width(num_kept), dtype=torch.uint8, device=token_ids.device)
+            _json_write_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, row_start, text,
+                                            num_kept, BLOCK_K=block)
+            return text, lengths
+        except triton.CompilationError:
+            _kernels_failed = True
+            logger.exception("The mask JSON kernels failed to compile; formatting with torch ops from now on.")
+    text, lengths = format_json_rows(token_ids, counts)
+    return pack_json_rows(text, lengths), lengths
