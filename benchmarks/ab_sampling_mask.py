@@ -35,7 +35,10 @@ import benchmark_serving  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {}),
-        "pre-change": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"})}
+        "pre-change": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"}),
+        # Optional fourth arm: the masks' JSON text formatted by the engine on the device.
+        "mask-text": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "1"})}
+DEFAULT_ARMS = ["no-mask", "mask", "pre-change"]
 # NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.
 STARTUP_ESTIMATE_S = 60.0
 
@@ -92,6 +95,7 @@ def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -
     cmd += shlex.split(args.server_args)
     env = dict(os.environ)
     env.pop("VLLM_SAMPLING_MASK_LEGACY_PATH", None)
+    env.pop("VLLM_SAMPLING_MASK_TEXT", None)
     env.update(env_extra)
     if args.cprofile_dir:
         env["VLLM_CPROFILE_DIR"] = os.path.join(os.path.abspath(args.cprofile_dir), arm)
@@ -177,9 +181,11 @@ def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> str:
 def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
     names = [a["arm"] for a in arms]
     by_name = {a["arm"]: a for a in arms}
+    text_arm = "mask-text" in by_name
     lines = ["Output tokens/s (TTFT median ms / TPOT median ms); * = cut at the level timeout", "",
-             "| concurrency | " + " | ".join(names) + " | mask / no-mask | pre-change / no-mask |",
-             "|---:|" + "---:|" * len(names) + "---:|---:|"]
+             "| concurrency | " + " | ".join(names) + " | mask / no-mask | pre-change / no-mask |"
+             + (" mask-text / no-mask |" if text_arm else ""),
+             "|---:|" + "---:|" * len(names) + "---:|---:|" + ("---:|" if text_arm else "")]
     for c in concurrencies:
         cells = []
         for a in arms:
@@ -195,7 +201,9 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
         no_mask = _level(by_name["no-mask"], c) if "no-mask" in by_name else None
         mask = _level(by_name["mask"], c) if "mask" in by_name else None
         pre = _level(by_name["pre-change"], c) if "pre-change" in by_name else None
-        lines.append(f"| {c} | " + " | ".join(cells) + f" | {_ratio(mask, no_mask)} | {_ratio(pre, no_mask)} |")
+        text = f" {_ratio(_level(by_name['mask-text'], c), no_mask)} |" if text_arm else ""
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {_ratio(mask, no_mask)} | {_ratio(pre, no_mask)} |"
+                     + text)
     for a in arms:
         if a["error"]:
             lines.append(f"\n{a['arm']} failed: {a['error']}")
@@ -233,7 +241,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=None, help="Default: input + output + 64.")
     parser.add_argument("--server-args", default="", help="Extra vllm serve flags, one shell-quoted string.")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
     parser.add_argument("--concurrencies", type=int, nargs="+", default=[64, 256, 512, 1024])
     parser.add_argument("--num-prompts-per-concurrency", type=float, default=1.0)
     parser.add_argument("--min-num-prompts", type=int, default=128)

@@ -55,7 +55,7 @@ class RemoteServer:
         raise RuntimeError(f"No engine-core child among {children}.")
 
 
-def start_server(extra_args: list[str]) -> RemoteServer:
+def start_server(extra_args: list[str], extra_env: dict[str, str] | None = None) -> RemoteServer:
     if not os.path.isfile(os.path.join(MODEL, "config.json")):
         pytest.skip(f"model folder {MODEL} is missing")
     port = free_port()
@@ -63,6 +63,7 @@ def start_server(extra_args: list[str]) -> RemoteServer:
             "--port", str(port), "--device", "cpu", "--uvicorn-log-level", "warning", *extra_args]
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra_env or {})
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env)
     server = RemoteServer(proc, port, MODEL, API_KEY)
     deadline = time.monotonic() + 180

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm
+from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
 from vllm.profiling import maybe_cprofile
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -162,8 +163,9 @@ async def run_server(args: argparse.Namespace) -> int:
     """Start the engine and serve until shutdown; returns the process exit code (1 when the engine died)."""
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
-    # NOTE: the server streams masks as JSON: let the engine format them on the device (ops/mask_json.py).
-    vllm_config.model_config.sampling_mask_text = vllm_config.model_config.return_sampling_mask
+    # NOTE: the server streams masks as JSON; with VLLM_SAMPLING_MASK_TEXT the engine formats it on the device.
+    vllm_config.model_config.sampling_mask_text = (vllm_config.model_config.return_sampling_mask
+                                                   and envs.VLLM_SAMPLING_MASK_TEXT)
     engine = AsyncLLM(vllm_config)
     try:
         app = build_app(engine, args.api_key)

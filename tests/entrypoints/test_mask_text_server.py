@@ -1,0 +1,48 @@
+"""`vllm serve --return-sampling-mask` with VLLM_SAMPLING_MASK_TEXT=1 (masks formatted as JSON text by the engine
+and spliced into streamed chunks): the streamed masks equal those of the same seeded request without streaming
+(built from the id arrays), and every token is inside its mask."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import RemoteServer, start_server
+
+
+@pytest.fixture(scope="module")
+def text_server() -> Iterator[RemoteServer]:
+    srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
+                        "--max-num-seqs", "8", "--seed", "0"], {"VLLM_SAMPLING_MASK_TEXT": "1"})
+    yield srv
+    srv.proc.terminate()
+    try:
+        srv.proc.wait(20)
+    except subprocess.TimeoutExpired:
+        srv.proc.kill()
+        srv.proc.wait()
+
+
+def test_streamed_text_masks_equal_the_id_masks(text_server: RemoteServer) -> None:
+    url = f"{text_server.url}/v1/completions"
+    body = {"prompt": "def main(", "max_tokens": 12, "temperature": 1.0, "top_k": 40, "top_p": 0.9, "seed": 11,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
+    full = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    resp = httpx.post(url, json={**body, "stream": True}, timeout=120)
+    assert resp.status_code == 200
+    token_ids: list[int] = []
+    masks: list[list[int]] = []
+    for line in resp.text.split("\n\n"):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        for choice in json.loads(line[len("data: "):])["choices"]:
+            assert len(choice["token_ids"]) == len(choice["sampling_mask"])
+            token_ids += choice["token_ids"]
+            masks += choice["sampling_mask"]
+    assert token_ids == full["token_ids"] and len(token_ids) == 12
+    assert masks == full["sampling_mask"]
+    for token_id, mask in zip(token_ids, masks):
+        assert token_id in mask and mask == sorted(set(mask)) and len(mask) <= 40
