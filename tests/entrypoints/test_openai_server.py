@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from typing import Any
 
@@ -261,6 +262,31 @@ def test_disconnected_stream_frees_kv_blocks(server: RemoteServer) -> None:
     text = httpx.get(f"{server.url}/metrics").text
     assert metric(text, "vllm:kv_cache_usage_perc") == 0
     assert re.search(r'vllm:request_success_total{finished_reason="abort"[^}]*} [1-9]', text)
+
+
+def test_disconnected_non_streaming_request_is_aborted(server: RemoteServer) -> None:
+    """A non-streaming client that closes its connection mid-generation gets its request aborted: KV blocks freed
+    and one more abort counted."""
+    def aborts() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        match = re.search(r'vllm:request_success_total{finished_reason="abort"[^}]*} ([0-9.e+]+)', text)
+        return float(match.group(1)) if match else 0.0
+
+    before = aborts()
+    body = json.dumps({"prompt": "A very long story:", "max_tokens": 240, "ignore_eos": True, "top_k": 5}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {server.headers['Authorization'].split()[-1]}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head + body)
+        assert _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v > 0) > 0
+    # The socket is closed while the engine is still generating (no response was read).
+    _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v == 0)
+    _wait_for_metric(server, "vllm:num_requests_running", lambda v: v == 0)
+    deadline = time.monotonic() + 30
+    while aborts() < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert aborts() == before + 1
 
 
 def test_killing_engine_core_exits_server_nonzero(server: RemoteServer) -> None:

@@ -7,6 +7,7 @@ engine 500.
 
 Invariants:
 - A request is fully validated before it reaches the engine core, so a bad request never disturbs the others.
+- A client that disconnects before its response (streaming or not) has its requests aborted in the engine.
 - When the engine-core process dies, /health fails, in-flight requests get an error, the server shuts down and
   `run_server` returns 1 (the process exits non-zero).
 """
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any
 
 import uvicorn
@@ -63,7 +65,34 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"Invalid request: {details}", param
 
 
+async def _wait_for_disconnect(raw: Request) -> None:
+    # NOTE: the body has been read already, so the next message is the disconnect (or nothing, until then).
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
+    """Await `handler`; if the client goes away first, cancel it, which aborts its requests in the engine (their
+    output generators abort when closed early) and frees their KV blocks. Streams return at once; a dropped
+    stream is handled by the streaming response itself."""
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        logger.info("Client disconnected before the response; its request was aborted.")
+        return None
+    return task.result()
+
+
 def _respond(result: Any) -> Response:
+    if result is None:  # the client is gone (see _cancel_on_disconnect): nobody reads this
+        return Response(status_code=499)
     if isinstance(result, AsyncGenerator):
         return StreamingResponse(stream_errors(result), media_type="text/event-stream")
     return JSONResponse(result.model_dump())
@@ -127,16 +156,16 @@ def build_app(engine: AsyncLLM, api_key: str | None = None) -> FastAPI:
         return JSONResponse(app.state.models.show_available_models().model_dump())
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest) -> Response:
-        return _respond(await app.state.completion.create_completion(request))
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return _respond(await _cancel_on_disconnect(raw_request, app.state.completion.create_completion(request)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
-        return _respond(await app.state.chat.create_chat_completion(request))
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return _respond(await _cancel_on_disconnect(raw_request, app.state.chat.create_chat_completion(request)))
 
     @app.post("/inference/v1/generate")
-    async def generate(request: GenerateRequest) -> Response:
-        return _respond(await app.state.generate.generate(request))
+    async def generate(request: GenerateRequest, raw_request: Request) -> Response:
+        return _respond(await _cancel_on_disconnect(raw_request, app.state.generate.generate(request)))
 
     return app
 
