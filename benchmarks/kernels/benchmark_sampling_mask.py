@@ -164,18 +164,17 @@ def bench_tilings(num_reqs: int, k: int, vocab_size: int, device: torch.device, 
     floor = graph_ms(lambda: logits.amax(dim=-1), device, iters)
     rows = []
     for chunk in (1024, 2048, 4096, 8192):
-        for tile_2d in (False, True):
-            for num_warps in (2, 4, 8):
-                ms = graph_ms(lambda: compact_sampling_mask_chunked(  # noqa: B023
-                    logits, num_sampled, token_ids, packed, counts, chunk, tile_2d, num_warps), device, iters)
-                pack_ms = graph_ms(lambda: launch_pack_count(  # noqa: B023
-                    logits, num_sampled, packed, chunk, tile_2d, num_warps), device, iters)
-                chunk_counts = launch_pack_count(logits, num_sampled, packed, chunk, tile_2d, num_warps)
-                compact_ms = graph_ms(lambda: launch_compact(  # noqa: B023
-                    packed, chunk_counts, token_ids, counts, vocab_size, chunk), device, iters)
-                rows.append({"num_reqs": num_reqs, "k": k, "chunk": chunk, "tile_2d": tile_2d,
-                             "num_warps": num_warps, "kernel_dev_ms": ms, "pack_dev_ms": pack_ms,
-                             "compact_dev_ms": compact_ms, "floor_dev_ms": floor, "x_floor": ms / floor})
+        for num_warps in (2, 4, 8):
+            ms = graph_ms(lambda: compact_sampling_mask_chunked(  # noqa: B023
+                logits, num_sampled, token_ids, packed, counts, chunk, num_warps), device, iters)
+            pack_ms = graph_ms(lambda: launch_pack_count(  # noqa: B023
+                logits, num_sampled, packed, chunk, num_warps), device, iters)
+            chunk_counts = launch_pack_count(logits, num_sampled, packed, chunk, num_warps)
+            compact_ms = graph_ms(lambda: launch_compact(  # noqa: B023
+                packed, chunk_counts, token_ids, counts, vocab_size, chunk), device, iters)
+            rows.append({"num_reqs": num_reqs, "k": k, "chunk": chunk, "num_warps": num_warps,
+                         "kernel_dev_ms": ms, "pack_dev_ms": pack_ms, "compact_dev_ms": compact_ms,
+                         "floor_dev_ms": floor, "x_floor": ms / floor})
     return rows
 
 
@@ -209,7 +208,7 @@ def main() -> None:
         tilings = [r for n in args.num_reqs if n >= 256
                    for r in bench_tilings(n, 220, args.vocab_size, device, args.iters)]
         print(markdown_table(tilings, [("num_reqs", "reqs", "{}"), ("chunk", "chunk", "{}"),
-                                       ("tile_2d", "2-D tile", "{}"), ("num_warps", "warps", "{}"),
+                                       ("num_warps", "warps", "{}"),
                                        ("kernel_dev_ms", "kernel dev ms", "{:.4f}"),
                                        ("pack_dev_ms", "1st launch ms", "{:.4f}"),
                                        ("compact_dev_ms", "2nd launch ms", "{:.4f}"),

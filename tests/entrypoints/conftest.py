@@ -80,11 +80,7 @@ def start_server(extra_args: list[str], extra_env: dict[str, str] | None = None)
     raise RuntimeError("vllm serve did not become healthy in time")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RemoteServer]:
-    srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
-                        "--max-num-seqs", "16", "--api-key", API_KEY, "--seed", "0"])
-    yield srv
+def stop_server(srv: RemoteServer) -> None:
     if srv.proc.poll() is None:
         srv.proc.terminate()
         try:
@@ -92,3 +88,11 @@ def server() -> Iterator[RemoteServer]:
         except subprocess.TimeoutExpired:
             srv.proc.kill()
             srv.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RemoteServer]:
+    srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
+                        "--max-num-seqs", "16", "--api-key", API_KEY, "--seed", "0"])
+    yield srv
+    stop_server(srv)

@@ -5,12 +5,11 @@ and spliced into streamed chunks): the streamed masks equal those of the same se
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import RemoteServer, start_server
+from tests.entrypoints.conftest import RemoteServer, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +17,7 @@ def text_server() -> Iterator[RemoteServer]:
     srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
                         "--max-num-seqs", "8", "--seed", "0"], {"VLLM_SAMPLING_MASK_TEXT": "1"})
     yield srv
-    srv.proc.terminate()
-    try:
-        srv.proc.wait(20)
-    except subprocess.TimeoutExpired:
-        srv.proc.kill()
-        srv.proc.wait()
+    stop_server(srv)
 
 
 def test_streamed_text_masks_equal_the_id_masks(text_server: RemoteServer) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, RemoteServer, start_server
+from tests.entrypoints.conftest import API_KEY, RemoteServer, start_server, stop_server
 
 TOP_K = 8
 SEED = 321
@@ -27,8 +27,7 @@ def server() -> Iterator[RemoteServer]:
     srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "128",
                         "--max-num-seqs", "8", "--api-key", API_KEY])
     yield srv
-    srv.proc.terminate()
-    srv.proc.wait(30)
+    stop_server(srv)
 
 
 def post(server: RemoteServer, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,20 @@ def _position_range(cu: list[int] | None, req_idx: int, num_positions: int) -> t
     return start, start + num_positions
 
 
+def _slice_csr(data: np.ndarray, offsets: np.ndarray | None, cu: list[int] | None, req_idx: int,
+               num_positions: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(data, offsets) of request req_idx's positions in a step CSR; offsets None for a single position."""
+    assert offsets is not None, "slice_request needs the step's offsets"
+    start, end = _position_range(cu, req_idx, num_positions)
+    lo, hi = int(offsets[start]), int(offsets[end])
+    return data[lo:hi], None if num_positions == 1 else offsets[start:end + 1] - lo
+
+
+def _csr_rows(data: np.ndarray, offsets: np.ndarray | None) -> list[np.ndarray]:
+    """One array per position of a CSR (offsets None: the whole data is one position)."""
+    return [data] if offsets is None else np.split(data, offsets[1:-1])
+
+
 class LogprobsLists(NamedTuple):
     # [num_positions, num_logprobs + 1] int32: the sampled token first, then the top num_logprobs.
     logprob_token_ids: np.ndarray
@@ -60,12 +74,12 @@ class SamplingMaskLists(NamedTuple):
     cu_num_generated_tokens: list[int] | None = None
 
     def slice_request(self, req_idx: int, num_positions: int = 1) -> SamplingMaskLists:
-        assert self.offsets is not None, "slice_request needs the step's offsets"
-        start, end = _position_range(self.cu_num_generated_tokens, req_idx, num_positions)
-        lo, hi = int(self.offsets[start]), int(self.offsets[end])
-        if num_positions == 1:
-            return SamplingMaskLists(self.token_ids[lo:hi], None, None)
-        return SamplingMaskLists(self.token_ids[lo:hi], self.offsets[start:end + 1] - lo, None)
+        return SamplingMaskLists(*_slice_csr(self.token_ids, self.offsets, self.cu_num_generated_tokens, req_idx,
+                                             num_positions))
+
+    def rows(self) -> list[np.ndarray]:
+        """One int32 id array per position."""
+        return _csr_rows(self.token_ids, self.offsets)
 
     @property
     def num_positions(self) -> int:
@@ -89,18 +103,12 @@ class SamplingMaskText(NamedTuple):
     cu_num_generated_tokens: list[int] | None = None
 
     def slice_request(self, req_idx: int, num_positions: int = 1) -> SamplingMaskText:
-        assert self.offsets is not None, "slice_request needs the step's offsets"
-        start, end = _position_range(self.cu_num_generated_tokens, req_idx, num_positions)
-        lo, hi = int(self.offsets[start]), int(self.offsets[end])
-        if num_positions == 1:
-            return SamplingMaskText(self.text[lo:hi], None, None)
-        return SamplingMaskText(self.text[lo:hi], self.offsets[start:end + 1] - lo, None)
+        return SamplingMaskText(*_slice_csr(self.text, self.offsets, self.cu_num_generated_tokens, req_idx,
+                                            num_positions))
 
     def rows(self) -> list[np.ndarray]:
         """One uint8 array (the JSON text) per position."""
-        if self.offsets is None:
-            return [self.text]
-        return np.split(self.text, self.offsets[1:-1])
+        return _csr_rows(self.text, self.offsets)
 
 
 @dataclass(slots=True)

@@ -193,8 +193,7 @@ async def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config()
     # NOTE: the server streams masks as JSON; with VLLM_SAMPLING_MASK_TEXT the engine formats it on the device.
-    vllm_config.model_config.sampling_mask_text = (vllm_config.model_config.return_sampling_mask
-                                                   and envs.VLLM_SAMPLING_MASK_TEXT)
+    vllm_config.model_config.sampling_mask_text = envs.VLLM_SAMPLING_MASK_TEXT
     engine = AsyncLLM(vllm_config)
     try:
         app = build_app(engine, args.api_key)

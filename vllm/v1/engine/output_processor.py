@@ -157,8 +157,11 @@ class RequestState:
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
 
-    def append_sampling_masks(self, new_mask: SamplingMaskLists | None, num_new: int, num_kept: int) -> None:
-        """Append the step's masks for its first `num_kept` of `num_new` new tokens."""
+    def append_sampling_masks(self, new_mask: SamplingMaskLists | None, new_text: SamplingMaskText | None,
+                              num_new: int, num_kept: int) -> None:
+        """Append the step's masks (and their JSON texts, when the engine sent them) for its first `num_kept` of
+        `num_new` new tokens. Texts are an optimisation of the server (the arrays stay the truth): they stop for
+        good at the first step without them, so `sampling_mask_texts` is None or one text per mask."""
         if num_new == 0:
             return
         if new_mask is None:
@@ -166,30 +169,25 @@ class RequestState:
                 raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens without "
                                    "their sampling masks after sending masks before.")
             return
-        masks = ([new_mask.token_ids] if new_mask.offsets is None
-                 else np.split(new_mask.token_ids, new_mask.offsets[1:-1]))
+        masks = new_mask.rows()
         if len(masks) != num_new:
             raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens with "
                                f"{len(masks)} sampling masks.")
-        if self.sampling_masks is None:
+        first = self.sampling_masks is None
+        if first:
             num_before = self.detokenizer.num_output_tokens - num_kept
             if num_before:
                 raise RuntimeError(f"Request {self.request_id}: sampling masks started after {num_before} tokens.")
             self.sampling_masks = []
         self.sampling_masks.extend(masks[:num_kept])
-
-    def append_sampling_mask_texts(self, new_text: SamplingMaskText | None, num_kept: int) -> None:
-        """Append the JSON texts of the step's first `num_kept` tokens; texts stop for good at the first step
-        without them (they are an optimisation of the server, the arrays stay the truth)."""
+        if not num_kept:
+            return
         if new_text is None:
             self.sampling_mask_texts = None
-            return
-        if self.sampling_masks is None or (self.sampling_mask_texts is None
-                                           and len(self.sampling_masks) != num_kept):
-            return
-        if self.sampling_mask_texts is None:
-            self.sampling_mask_texts = []
-        self.sampling_mask_texts.extend(new_text.rows()[:num_kept])
+        elif first or self.sampling_mask_texts is not None:
+            if self.sampling_mask_texts is None:
+                self.sampling_mask_texts = []
+            self.sampling_mask_texts.extend(new_text.rows()[:num_kept])
 
     def make_completion_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                                stop_reason: int | str | None) -> CompletionOutput | None:
@@ -211,10 +209,8 @@ class RequestState:
         if self.sampling_masks is not None:
             masks = self.sampling_masks[len(self.sampling_masks) - num_new:] if delta else list(self.sampling_masks)
             texts = self.sampling_mask_texts
-            if texts is not None and len(texts) == len(self.sampling_masks):
+            if texts is not None:
                 texts = texts[len(texts) - num_new:] if delta else list(texts)
-            else:
-                texts = None
             sampling_mask = SamplingMask(arrays=masks, texts=texts)
         return CompletionOutput(
             index=self.index,
@@ -362,9 +358,8 @@ class OutputProcessor:
             num_kept = state.detokenizer.num_output_tokens - num_before
             kept_token_ids = new_token_ids[:num_kept]
             state.logprobs_processor.update(eco.new_logprobs, num_kept)
-            state.append_sampling_masks(eco.new_sampling_mask, len(new_token_ids), num_kept)
-            if num_kept:
-                state.append_sampling_mask_texts(eco.new_sampling_mask_text, num_kept)
+            state.append_sampling_masks(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids),
+                                        num_kept)
             state.update_stats(num_kept)
 
             if state.parent is not None:

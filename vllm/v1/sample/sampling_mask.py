@@ -165,7 +165,7 @@ class SamplingMaskTensors(NamedTuple):
         with_text: also format each row's ids as JSON text on the copy stream (ops/mask_json.py) and copy it,
         for the API server (`SamplingMaskCopy.text_lists`)."""
         if not self.counts.is_cuda:
-            text = _json_text(self.token_ids, self.counts) if with_text else None
+            text = json_rows_packed(self.token_ids, self.counts) if with_text else None
             return SamplingMaskCopy(self, None, None, *(text or (None, None)))
         device = self.counts.device
         stream = _copy_stream(device)
@@ -176,7 +176,7 @@ class SamplingMaskTensors(NamedTuple):
             packed_mask = _pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
             text, text_lengths = None, None
             if with_text:
-                text, text_lengths = (_pinned_copy(t) for t in _json_text(self.token_ids, self.counts))
+                text, text_lengths = (_pinned_copy(t) for t in json_rows_packed(self.token_ids, self.counts))
             event = torch.cuda.Event()
             event.record(stream)
         # NOTE: the caller may drop the device tensors before the side-stream copies have run.
@@ -225,8 +225,9 @@ class SamplingMaskCopy:
         if not len(overflow):
             offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
-            # NOTE: copied out of the pinned buffer, so the step's message does not hold it.
-            return SamplingMaskText(text[:offsets[-1]].copy(), offsets)
+            # NOTE: a view of this step's pinned buffer (allocated per step): the engine core's wire packing
+            # copies it into the step's message anyway.
+            return SamplingMaskText(text[:offsets[-1]], offsets)
         assert lists.offsets is not None
         pieces: list[bytes] = []
         pos = 0
@@ -240,10 +241,6 @@ class SamplingMaskCopy:
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
         np.cumsum([len(p) for p in pieces], out=offsets[1:])
         return SamplingMaskText(np.frombuffer(b"".join(pieces), dtype=np.uint8), offsets)
-
-
-def _json_text(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return json_rows_packed(token_ids, counts)
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -342,8 +339,9 @@ class LegacySamplingMask(NamedTuple):
     def from_logits(cls, logits: torch.Tensor, num_sampled: torch.Tensor | None) -> LegacySamplingMask:
         return cls(legacy_pack_sampling_mask(logits, num_sampled), logits.shape[1])
 
-    def to_cpu_nonblocking(self) -> LegacySamplingMaskCopy:
-        """Copy the whole bitmask to pinned memory on the side stream (as upstream's pre-change path did)."""
+    def to_cpu_nonblocking(self, with_text: bool = False) -> LegacySamplingMaskCopy:
+        """Copy the whole bitmask to pinned memory on the side stream (as upstream's pre-change path did).
+        `with_text` is ignored: the pre-change path never formats the masks' JSON text."""
         if not self.packed_mask.is_cuda:
             return LegacySamplingMaskCopy(self.packed_mask, None, self.vocab_size)
         device = self.packed_mask.device
@@ -371,3 +369,6 @@ class LegacySamplingMaskCopy:
         if self.ready is not None:
             self.ready.synchronize()
         return legacy_unpack_sampling_mask(self.packed_mask.numpy(), self.vocab_size)
+
+    def text_lists(self, lists: SamplingMaskLists) -> None:
+        return None

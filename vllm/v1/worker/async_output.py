@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
-from vllm.v1.sample.sampling_mask import SamplingMaskCopy, SamplingMaskTensors
 
 
 class AsyncModelRunnerOutput:
@@ -105,11 +104,7 @@ class AsyncOutputCopier:
                                                    _copy_to_host(slot.ranks, logprobs[2]))
                 event = slot.event
                 event.record(self.copy_stream)
-        mask_copy = None
-        if isinstance(sampling_mask, SamplingMaskTensors):
-            mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text)
-        elif sampling_mask is not None:
-            mask_copy = sampling_mask.to_cpu_nonblocking()
+        mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text) if sampling_mask is not None else None
         args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy)
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
@@ -135,8 +130,11 @@ def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Eve
         # NOTE: copied out of the pinned slot, which the step after next overwrites.
         lists = logprobs.tolists()
         logprobs_lists = LogprobsLists(*(np.array(a) for a in lists[:3]), lists.cu_num_generated_tokens)
-    masks: SamplingMaskLists | None = mask_copy.tolists() if mask_copy is not None else None
-    text = mask_copy.text_lists(masks) if isinstance(mask_copy, SamplingMaskCopy) and masks is not None else None
+    masks: SamplingMaskLists | None = None
+    text = None
+    if mask_copy is not None:
+        masks = mask_copy.tolists()
+        text = mask_copy.text_lists(masks)
     output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
                                sampling_mask_text=text)

@@ -22,8 +22,6 @@ import triton
 import triton.language as tl
 
 CHUNK = 4096
-# The first launch loads each chunk as a [CHUNK/8, 8] tile (see _pack_count_kernel).
-TILE_2D = True
 NUM_WARPS = 8
 
 
@@ -38,7 +36,6 @@ def _pack_count_kernel(
     num_chunks,
     vocab_size,
     CHUNK: tl.constexpr,
-    TILE_2D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -46,22 +43,14 @@ def _pack_count_kernel(
     limit = tl.where(tl.load(num_sampled_ptr + row) > 0, vocab_size, 0)
     shifts = tl.arange(0, 8)[None, :]
     byte_ids = chunk * (CHUNK // 8) + tl.arange(0, CHUNK // 8)
-    if TILE_2D:
-        # The chunk loaded as [CHUNK/8, 8]: each output byte's 8 flags sit in one tile row, so the packing is
-        # a sum along the tile's contiguous axis with no layout change of the loaded values.
-        ids = byte_ids[:, None] * 8 + shifts
-        live = ids < limit
-        x = tl.load(logits_ptr + row * logits_stride + ids, mask=live, other=float("-inf")).to(tl.float32)
-        # NOTE: |x| < inf is false for +inf, -inf and NaN alike.
-        flags = ((tl.abs(x) < float("inf")) & live).to(tl.int32)
-        count = tl.sum(tl.sum(flags, axis=1), axis=0)
-    else:
-        ids = chunk * CHUNK + tl.arange(0, CHUNK)
-        live = ids < limit
-        x = tl.load(logits_ptr + row * logits_stride + ids, mask=live, other=float("-inf")).to(tl.float32)
-        keep = (tl.abs(x) < float("inf")) & live
-        count = tl.sum(keep.to(tl.int32), axis=0)
-        flags = tl.reshape(keep.to(tl.int32), (CHUNK // 8, 8))
+    # The chunk loaded as [CHUNK/8, 8]: each output byte's 8 flags sit in one tile row, so the packing is a sum
+    # along the tile's contiguous axis.
+    ids = byte_ids[:, None] * 8 + shifts
+    live = ids < limit
+    x = tl.load(logits_ptr + row * logits_stride + ids, mask=live, other=float("-inf")).to(tl.float32)
+    # NOTE: |x| < inf is false for +inf, -inf and NaN alike.
+    flags = ((tl.abs(x) < float("inf")) & live).to(tl.int32)
+    count = tl.sum(tl.sum(flags, axis=1), axis=0)
     packed = tl.sum(flags << shifts, axis=1)  # [CHUNK // 8]
     tl.store(packed_mask_ptr + row * packed_mask_stride + byte_ids, packed.to(tl.uint8),
              mask=byte_ids < (vocab_size + 7) // 8)
@@ -106,25 +95,25 @@ def _compact_kernel(
 
 def compact_sampling_mask_chunked(logits: torch.Tensor, num_sampled: torch.Tensor, token_ids: torch.Tensor,
                                   packed_mask: torch.Tensor, counts: torch.Tensor, chunk: int = CHUNK,
-                                  tile_2d: bool = TILE_2D, num_warps: int = NUM_WARPS) -> None:
+                                  num_warps: int = NUM_WARPS) -> None:
     """Fill token_ids [R, K] int32, packed_mask [R, ceil(V/8)] uint8 and counts [R] int32 from logits [R, V].
 
-    `chunk`, `tile_2d` and `num_warps` select the first launch's tiling (benchmarks compare them)."""
+    `chunk` and `num_warps` select the first launch's tiling (benchmarks compare them)."""
     if logits.shape[0] == 0:
         return
-    chunk_counts = launch_pack_count(logits, num_sampled, packed_mask, chunk, tile_2d, num_warps)
+    chunk_counts = launch_pack_count(logits, num_sampled, packed_mask, chunk, num_warps)
     launch_compact(packed_mask, chunk_counts, token_ids, counts, logits.shape[1], chunk)
 
 
 def launch_pack_count(logits: torch.Tensor, num_sampled: torch.Tensor, packed_mask: torch.Tensor,
-                      chunk: int = CHUNK, tile_2d: bool = TILE_2D, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                      chunk: int = CHUNK, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """First launch: the bitmask and [R, num_chunks] int32 keep counts per chunk (returned)."""
     num_reqs, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, chunk)
     chunk_counts = torch.empty(num_reqs, num_chunks, dtype=torch.int32, device=logits.device)
     _pack_count_kernel[(num_reqs, num_chunks)](
         logits, logits.stride(0), num_sampled, packed_mask, packed_mask.stride(0), chunk_counts, num_chunks,
-        vocab_size, CHUNK=chunk, TILE_2D=tile_2d, num_warps=num_warps)
+        vocab_size, CHUNK=chunk, num_warps=num_warps)
     return chunk_counts
 
 
