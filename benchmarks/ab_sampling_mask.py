@@ -36,8 +36,8 @@ import benchmark_serving  # noqa: E402
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {}),
         "pre-change": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"}),
-        # Optional fourth arm: the masks' JSON text formatted by the engine on the device.
-        "mask-text": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "1"})}
+        # Optional fourth arm: the mask without its JSON text formatted on the device (the API server formats the ids).
+        "mask-ids": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "0"})}
 DEFAULT_ARMS = ["no-mask", "mask", "pre-change"]
 # NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.
 STARTUP_ESTIMATE_S = 60.0
@@ -181,11 +181,10 @@ def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> str:
 def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
     names = [a["arm"] for a in arms]
     by_name = {a["arm"]: a for a in arms}
-    text_arm = "mask-text" in by_name
+    ratio_arms = [n for n in names if n != "no-mask"] if "no-mask" in by_name else []
     lines = ["Output tokens/s (TTFT median ms / TPOT median ms); * = cut at the level timeout", "",
-             "| concurrency | " + " | ".join(names) + " | mask / no-mask | pre-change / no-mask |"
-             + (" mask-text / no-mask |" if text_arm else ""),
-             "|---:|" + "---:|" * len(names) + "---:|---:|" + ("---:|" if text_arm else "")]
+             "| concurrency | " + " | ".join(names) + " |" + "".join(f" {n} / no-mask |" for n in ratio_arms),
+             "|---:|" + "---:|" * (len(names) + len(ratio_arms))]
     for c in concurrencies:
         cells = []
         for a in arms:
@@ -198,12 +197,9 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
             ttft = benchmark_serving._fmt(lv["ttft_ms_median"], 0)
             tpot = benchmark_serving._fmt(lv["tpot_ms_median"], 1)
             cells.append(f"{lv['output_throughput']:.0f}{flag} ({ttft} / {tpot}){bad}")
-        no_mask = _level(by_name["no-mask"], c) if "no-mask" in by_name else None
-        mask = _level(by_name["mask"], c) if "mask" in by_name else None
-        pre = _level(by_name["pre-change"], c) if "pre-change" in by_name else None
-        text = f" {_ratio(_level(by_name['mask-text'], c), no_mask)} |" if text_arm else ""
-        lines.append(f"| {c} | " + " | ".join(cells) + f" | {_ratio(mask, no_mask)} | {_ratio(pre, no_mask)} |"
-                     + text)
+        no_mask = _level(by_name["no-mask"], c) if ratio_arms else None
+        ratios = "".join(f" {_ratio(_level(by_name[n], c), no_mask)} |" for n in ratio_arms)
+        lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
     for a in arms:
         if a["error"]:
             lines.append(f"\n{a['arm']} failed: {a['error']}")

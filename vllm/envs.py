@@ -31,8 +31,8 @@ _VARS = {
     # Benchmarks only: run the pre-change sampling-mask path (copy the full bitmask every step, unpack on host).
     "VLLM_SAMPLING_MASK_LEGACY_PATH": lambda: _bool("VLLM_SAMPLING_MASK_LEGACY_PATH", False),
     # Serving: format the sampling masks' JSON text on the device and splice it into streamed chunks
-    # (vllm/v1/sample/ops/mask_json.py). Off until its serving A/B has run on the GPU (docs/benchmarks.md).
-    "VLLM_SAMPLING_MASK_TEXT": lambda: _bool("VLLM_SAMPLING_MASK_TEXT", False),
+    # (vllm/v1/sample/ops/mask_json.py); 0 makes the API server format the ids itself (docs/benchmarks.md).
+    "VLLM_SAMPLING_MASK_TEXT": lambda: _bool("VLLM_SAMPLING_MASK_TEXT", True),
     # Performance work only: cProfile the API server and engine-core processes into this folder (vllm/profiling.py).
     "VLLM_CPROFILE_DIR": lambda: _str("VLLM_CPROFILE_DIR"),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.

@@ -1,6 +1,7 @@
-"""`vllm serve --return-sampling-mask` with VLLM_SAMPLING_MASK_TEXT=1 (masks formatted as JSON text by the engine
-and spliced into streamed chunks): the streamed masks equal those of the same seeded request without streaming
-(built from the id arrays), and every token is inside its mask."""
+"""`vllm serve --return-sampling-mask` with VLLM_SAMPLING_MASK_TEXT=1 (the default: masks formatted as JSON text by
+the engine and spliced into streamed chunks) and =0 (the API server formats the ids): the streamed masks equal
+those of the same seeded request without streaming (built from the id arrays), and every token is inside its
+mask."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 from tests.entrypoints.conftest import RemoteServer, start_server, stop_server
 
 
-@pytest.fixture(scope="module")
-def text_server() -> Iterator[RemoteServer]:
+@pytest.fixture(scope="module", params=["1", "0"], ids=["text", "ids"])
+def text_server(request: pytest.FixtureRequest) -> Iterator[RemoteServer]:
     srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
-                        "--max-num-seqs", "8", "--seed", "0"], {"VLLM_SAMPLING_MASK_TEXT": "1"})
+                        "--max-num-seqs", "8", "--seed", "0"], {"VLLM_SAMPLING_MASK_TEXT": request.param})
     yield srv
     stop_server(srv)
 

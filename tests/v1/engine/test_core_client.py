@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
-from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, SyncMPClient
+from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, SyncMPClient, launch_engine_core
 from vllm.v1.outputs import SamplingMaskLists
 
 CRASH_TOKEN = 999_999
@@ -161,3 +164,59 @@ def test_async_client_get_output_nowait_reads_only_what_is_queued() -> None:
     first, tokens = asyncio.run(run())
     assert first is None
     assert tokens == [2, 3, 4, 5]
+
+
+def _next_output(client: SyncMPClient, req_id: str) -> EngineCoreOutput:
+    """The next output of `req_id`; the messages before it must be other requests' or stats only."""
+    while True:
+        outputs = client.get_output(timeout_s=10)
+        assert outputs.scheduler_stats is not None  # stats reach every client
+        for out in outputs.outputs:
+            if out.request_id == req_id:
+                return out
+
+
+def test_shared_core_routes_outputs_to_their_client_and_refuses_a_duplicate_id() -> None:
+    """launch_engine_core for two clients (as --api-server-count 2): each client gets READY and only its own
+    requests' outputs; an id already running for the other client is refused with an ABORT-finished output to
+    the sender alone, and the running request goes on."""
+    proc, handles, tmp_dir = launch_engine_core(None, 2, FakeEngineCore, start_method="fork")  # type: ignore[arg-type]
+    clients = [SyncMPClient(None, handle=h) for h in handles]  # type: ignore[arg-type]
+    try:
+        assert [c.ready_info["num_gpu_blocks"] for c in clients] == [7, 7]
+        clients[0].add_request(_request("a", [1, 2, 3], 3))
+        clients[1].add_request(_request("b", [1], 4))
+        clients[1].add_request(_request("c", [1, 1], 2))
+        by0, by1 = _collect(clients[0], 1), _collect(clients[1], 2)
+        assert set(by0) == {"a"} and set(by1) == {"b", "c"}
+        assert [o.new_token_ids[0] for o in by0["a"]] == [3, 4, 5]
+        assert [o.new_token_ids[0] for o in by1["b"]] == [1, 2, 3, 4]
+        assert [o.new_token_ids[0] for o in by1["c"]] == [2, 3]
+
+        clients[0].add_request(_request("dup", [1], 10_000))
+        assert _next_output(clients[0], "dup").new_token_ids == [1]
+        clients[1].add_request(_request("dup", [1, 1, 1], 5))
+        refused = _collect(clients[1], 1)["dup"]
+        assert len(refused) == 1 and refused[0].finish_reason is FinishReason.ABORT
+        assert refused[0].new_token_ids == []
+        # The first "dup" still runs for client 0 (its step count goes on); client 1 can still add requests.
+        clients[1].add_request(_request("d", [1], 1))
+        assert [o.new_token_ids for o in _collect(clients[1], 1)["d"]] == [[1]]
+        later = _next_output(clients[0], "dup")
+        assert not later.finished and later.new_token_ids[0] > 1
+        clients[0].abort_requests(["dup"])
+
+        # A core that dies is seen by every client, even before its parent reaped it (a zombie).
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not all(c.is_dead for c in clients) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(c.is_dead for c in clients)
+        proc.join(5)
+    finally:
+        for c in clients:
+            c.shutdown()
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+        shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Callable
 
 from vllm.engine.arg_utils import EngineArgs
 
@@ -26,24 +25,18 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from vllm.entrypoints.openai.api_server import run_server
+    from vllm.entrypoints.openai.api_server import loop_factory, run_api_servers, run_server
     try:
         EngineArgs.from_cli_args(args).create_engine_config()
     except ValueError as e:
         parser.error(str(e))
+    if args.api_server_count < 1:
+        parser.error(f"--api-server-count must be >= 1, got {args.api_server_count}")
     try:
-        # NOTE: the API server is one event loop serving every stream; uvloop (with uvicorn's httptools
-        # parser, picked automatically when installed) roughly halves its per-chunk overhead.
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        if args.api_server_count > 1:
+            return run_api_servers(args)
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             return runner.run(run_server(args))
     except RuntimeError as e:
         logging.getLogger("vllm").error("%s", e)

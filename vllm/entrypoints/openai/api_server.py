@@ -10,6 +10,14 @@ Invariants:
 - A client that disconnects before its response (streaming or not) has its requests aborted in the engine.
 - When the engine-core process dies, /health fails, in-flight requests get an error, the server shuts down and
   `run_server` returns 1 (the process exits non-zero).
+
+--api-server-count N > 1 (`run_api_servers`): this process binds the port, starts one engine core and N API
+server processes that share the listening socket (the kernel spreads new connections over them), and watches
+them. Each API server is the single-server app above with its own AsyncLLM frontend (tokenizer, output
+processing, metrics) joined to the shared core, so the per-token frontend work (output processing, JSON, HTTP)
+runs on N cores. The whole group stops on SIGTERM/SIGINT (exit 0) or when any member exits (exit 1). /metrics
+is per process: request counters and histograms count the requests that process served; the scheduler gauges
+(running, waiting, KV usage) come from the shared core and are the same in every process.
 """
 
 from __future__ import annotations
@@ -18,8 +26,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
-from collections.abc import AsyncGenerator, Awaitable
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import uvicorn
@@ -39,8 +53,9 @@ from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import NotFoundError, error_body, stream_errors
 from vllm.entrypoints.openai.serving_generate import OpenAIServingGenerate
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.config import VllmConfig
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.core_client import EngineDeadError
+from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, launch_engine_core
 
 logger = logging.getLogger("vllm.entrypoints.openai.api_server")
 
@@ -178,6 +193,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level.")
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1,
+                        help="API server processes in front of the one engine core; more than 1 spreads the "
+                             "per-token HTTP/JSON work of many concurrent streams over several CPU cores.")
     return parser
 
 
@@ -188,13 +206,28 @@ async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
-async def run_server(args: argparse.Namespace) -> int:
-    """Start the engine and serve until shutdown; returns the process exit code (1 when the engine died)."""
-    engine_args = EngineArgs.from_cli_args(args)
-    vllm_config = engine_args.create_engine_config()
-    # NOTE: the server streams masks as JSON; with VLLM_SAMPLING_MASK_TEXT the engine formats it on the device.
+def make_vllm_config(args: argparse.Namespace) -> VllmConfig:
+    vllm_config = EngineArgs.from_cli_args(args).create_engine_config()
+    # NOTE: the server streams masks as JSON, formatted on the device unless VLLM_SAMPLING_MASK_TEXT=0.
     vllm_config.model_config.sampling_mask_text = envs.VLLM_SAMPLING_MASK_TEXT
-    engine = AsyncLLM(vllm_config)
+    return vllm_config
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    # NOTE: an API server is one event loop serving every stream; uvloop (with uvicorn's httptools parser,
+    # picked automatically when installed) roughly halves its per-chunk overhead.
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = None,
+                     core_handle: EngineCoreHandle | None = None, sock: socket.socket | None = None) -> int:
+    """Start the engine (or join a shared core: core_handle) and serve on args.host/port (or the listening
+    `sock`) until shutdown; returns the process exit code (1 when the engine died)."""
+    engine = AsyncLLM(vllm_config or make_vllm_config(args), core_handle=core_handle)
     try:
         app = build_app(engine, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -202,10 +235,90 @@ async def run_server(args: argparse.Namespace) -> int:
         server = uvicorn.Server(config)
         watchdog = asyncio.create_task(_watch_engine(engine, server))
         with maybe_cprofile(f"api_server_{os.getpid()}"):
-            await server.serve()
+            await server.serve(sockets=[sock] if sock is not None else None)
         watchdog.cancel()
         if engine.errored:
             return 1
         return 0 if server.started else 1
     finally:
         engine.shutdown()
+
+
+def _api_server_proc(args: argparse.Namespace, vllm_config: VllmConfig, core_handle: EngineCoreHandle,
+                     sock: socket.socket) -> None:
+    """Entry point of one API server process of run_api_servers."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            code = runner.run(run_server(args, vllm_config, core_handle, sock))
+    except RuntimeError as e:
+        logger.error("%s", e)
+        code = 1
+    sys.exit(code)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in (host or "") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"Cannot listen on {host}:{port}: {e}") from e
+    sock.listen(2048)
+    return sock
+
+
+def _stop(procs: list[multiprocessing.process.BaseProcess], timeout_s: float) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def run_api_servers(args: argparse.Namespace) -> int:
+    """--api-server-count N > 1: one engine core, N API server processes on one listening socket (module
+    docstring); returns the exit code: 0 after SIGTERM/SIGINT, 1 when a member exited on its own."""
+    num_servers = args.api_server_count
+    vllm_config = make_vllm_config(args)
+    sock = _listen(args.host, args.port)
+    stop_requested = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    core, handles, tmp_dir = launch_engine_core(vllm_config, num_servers)
+    spawn = multiprocessing.get_context("spawn")
+    servers = [spawn.Process(target=_api_server_proc, name=f"APIServer_{h.client_index}", daemon=True,
+                             args=(args, vllm_config, h, sock)) for h in handles]
+    try:
+        for proc in servers:
+            proc.start()
+        sock.close()
+        logger.info("Started %d API server processes and the engine core (pid %d) on %s:%d.", num_servers,
+                    core.pid, args.host, args.port)
+        members = [core, *servers]
+        exited: list[multiprocessing.process.BaseProcess] = []
+        while not stop_requested and not exited:
+            multiprocessing.connection.wait([p.sentinel for p in members], timeout=0.5)
+            exited = [p for p in members if not p.is_alive()]
+        for proc in exited:
+            proc.join()  # NOTE: reaped at once, so the API servers see a dead core's pid gone.
+            logger.error("%s (pid %d) exited with code %s; stopping the others.", proc.name, proc.pid,
+                         proc.exitcode)
+        # NOTE: the API servers first (graceful: they finish their responses), then the core.
+        _stop(servers, 10)
+        _stop([core], 10)
+        return 0 if stop_requested and not exited else 1
+    finally:
+        _stop([*servers, core], 1)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

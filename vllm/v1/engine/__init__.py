@@ -31,6 +31,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float = 0.0
+    # Which frontend (API server process, --api-server-count) sent it: its outputs go back there only.
+    client_index: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

@@ -26,7 +26,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
+from vllm.v1.engine.core_client import AsyncMPClient, EngineCoreHandle, EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from vllm.v1.metrics.loggers import PrometheusStatLogger
@@ -40,14 +40,17 @@ PromptType = str | Mapping[str, Any]
 
 
 class AsyncLLM:
-    def __init__(self, vllm_config: VllmConfig, log_stats: bool = True) -> None:
+    def __init__(self, vllm_config: VllmConfig, log_stats: bool = True,
+                 core_handle: EngineCoreHandle | None = None) -> None:
+        """core_handle: join an engine core shared by several API servers (launch_engine_core) instead of
+        starting one."""
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
         self.model_config = mc
         self.tokenizer: Tokenizer | None = None if mc.skip_tokenizer_init else get_tokenizer(str(mc.tokenizer))
         self.input_processor = InputProcessor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
-        self.engine_core = AsyncMPClient(vllm_config)
+        self.engine_core = AsyncMPClient(vllm_config, handle=core_handle)
         self.num_gpu_blocks = int(self.engine_core.ready_info.get("num_gpu_blocks", 0))
         self.log_stats = log_stats
         self.stat_logger = PrometheusStatLogger(mc.name, self.num_gpu_blocks)

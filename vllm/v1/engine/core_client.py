@@ -3,12 +3,16 @@
 - `InprocClient`: calls an EngineCore directly; `get_output()` runs one step.
 - `SyncMPClient` / `AsyncMPClient`: start the core with `run_engine_core` in a child process, send requests
   over an ipc:// PUSH socket and read outputs from an ipc:// PULL socket (both in a private temp dir).
+- With `vllm serve --api-server-count N`, `launch_engine_core` starts one core for N clients and gives each API
+  server process an `EngineCoreHandle`; an AsyncMPClient built with it binds that client's two addresses and
+  talks to the shared core (which it neither starts nor stops), tagging its requests with its `client_index`.
 
 Invariants:
 - The constructor returns only after the child reported READY (model loaded, KV cache allocated); a child that
   fails or dies during startup raises `RuntimeError` in the parent with the child's error text.
 - After startup, a core that dies or reports a fatal error makes every later `get_output*` raise
-  `EngineDeadError`; `is_dead` tells without blocking (the process sentinel is checked at every poll timeout).
+  `EngineDeadError`; `is_dead` tells without blocking (the process sentinel, or for a shared core its pid, is
+  checked at every poll timeout; the launcher reaps a dead core at once, so the pid disappears).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -37,6 +42,47 @@ STARTUP_TIMEOUT_S = 600.0
 
 class EngineDeadError(RuntimeError):
     """The engine-core process died or failed; the frontend cannot serve requests any more."""
+
+
+@dataclass(frozen=True)
+class EngineCoreHandle:
+    """How one frontend reaches a core started by `launch_engine_core` (picklable, for spawned API servers)."""
+    input_address: str
+    output_address: str
+    core_pid: int
+    client_index: int
+
+
+def launch_engine_core(vllm_config: VllmConfig, num_clients: int,
+                       engine_core_factory: Callable[[VllmConfig], Any] | None = None,
+                       start_method: str = "spawn") -> tuple[multiprocessing.process.BaseProcess, list[EngineCoreHandle], str]:
+    """Start one engine-core process for `num_clients` frontends -> (process, one handle per client, the temp
+    dir of the ipc addresses, to remove after the core exited). The caller owns the process: it must reap it
+    when it dies (`join`) and stop it at the end."""
+    tmp_dir = tempfile.mkdtemp(prefix="vllm-core-")
+    inputs = [f"ipc://{os.path.join(tmp_dir, f'input{i}')}" for i in range(num_clients)]
+    outputs = [f"ipc://{os.path.join(tmp_dir, f'output{i}')}" for i in range(num_clients)]
+    proc = multiprocessing.get_context(start_method).Process(
+        target=run_engine_core, name="EngineCore", daemon=True,
+        args=(vllm_config, inputs, outputs, os.getpid(), engine_core_factory))
+    proc.start()
+    assert proc.pid is not None
+    return proc, [EngineCoreHandle(inputs[i], outputs[i], proc.pid, i) for i in range(num_clients)], tmp_dir
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # NOTE: a dead child its parent has not reaped yet is a zombie, still signalable.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 class EngineCoreClient:
@@ -86,9 +132,9 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.has_unfinished_requests()
 
 
-def _shutdown_resources(proc: multiprocessing.process.BaseProcess, sockets: list[zmq.Socket], ctx: zmq.Context,
-                        tmp_dir: str) -> None:
-    if proc.is_alive():
+def _shutdown_resources(proc: multiprocessing.process.BaseProcess | None, sockets: list[zmq.Socket],
+                        ctx: zmq.Context, tmp_dir: str | None) -> None:
+    if proc is not None and proc.is_alive():
         proc.terminate()
         proc.join(5)
         if proc.is_alive():
@@ -97,18 +143,26 @@ def _shutdown_resources(proc: multiprocessing.process.BaseProcess, sockets: list
     for socket in sockets:
         socket.close(linger=0)
     ctx.term()
-    shutil.rmtree(tmp_dir, ignore_errors=True)
+    if tmp_dir is not None:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 class MPClient(EngineCoreClient):
-    """Starts the core process and owns the sockets; subclasses add sync or asyncio I/O."""
+    """Starts the core process (or joins a shared one: `handle`) and owns the sockets; subclasses add sync or
+    asyncio I/O."""
 
     def __init__(self, vllm_config: VllmConfig, asyncio_mode: bool,
                  engine_core_factory: Callable[[VllmConfig], Any] | None = None,
-                 start_method: str = "spawn") -> None:
-        self.tmp_dir = tempfile.mkdtemp(prefix="vllm-core-")
-        input_address = f"ipc://{os.path.join(self.tmp_dir, 'input')}"
-        output_address = f"ipc://{os.path.join(self.tmp_dir, 'output')}"
+                 start_method: str = "spawn", handle: EngineCoreHandle | None = None) -> None:
+        self.handle = handle
+        self.client_index = handle.client_index if handle is not None else 0
+        self.tmp_dir = tempfile.mkdtemp(prefix="vllm-core-") if handle is None else None
+        if handle is None:
+            assert self.tmp_dir is not None
+            input_address = f"ipc://{os.path.join(self.tmp_dir, 'input')}"
+            output_address = f"ipc://{os.path.join(self.tmp_dir, 'output')}"
+        else:
+            input_address, output_address = handle.input_address, handle.output_address
         self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
@@ -121,11 +175,12 @@ class MPClient(EngineCoreClient):
         self.generic_decoder = MsgpackDecoder()
         self.dead_error: EngineDeadError | None = None
 
-        mp_ctx = multiprocessing.get_context(start_method)
-        self.proc = mp_ctx.Process(
-            target=run_engine_core, name="EngineCore", daemon=True,
-            args=(vllm_config, input_address, output_address, os.getpid(), engine_core_factory))
-        self.proc.start()
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        if handle is None:
+            self.proc = multiprocessing.get_context(start_method).Process(
+                target=run_engine_core, name="EngineCore", daemon=True,
+                args=(vllm_config, input_address, output_address, os.getpid(), engine_core_factory))
+            self.proc.start()
         self._finalizer = weakref.finalize(self, _shutdown_resources, self.proc,
                                            [self.input_socket, self.output_socket], self.ctx, self.tmp_dir)
         try:
@@ -142,8 +197,8 @@ class MPClient(EngineCoreClient):
         waited_ms = 0
         while not poller.poll(_POLL_MS):
             waited_ms += _POLL_MS
-            if not self.proc.is_alive():
-                raise RuntimeError(f"Engine core process exited with code {self.proc.exitcode} during startup; "
+            if not self._core_alive():
+                raise RuntimeError(f"Engine core process exited with code {self._core_exitcode()} during startup; "
                                    "see its log above for the reason.")
             if waited_ms > STARTUP_TIMEOUT_S * 1000:
                 raise RuntimeError(f"Engine core did not start within {STARTUP_TIMEOUT_S:.0f} s.")
@@ -154,10 +209,19 @@ class MPClient(EngineCoreClient):
             raise RuntimeError(f"Unexpected first message from the engine core: {kind!r}.")
         return dict(self.generic_decoder.decode(payload))
 
+    def _core_alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.is_alive()
+        assert self.handle is not None
+        return _pid_alive(self.handle.core_pid)
+
+    def _core_exitcode(self) -> int | str | None:
+        return self.proc.exitcode if self.proc is not None else "unknown (a shared core)"
+
     @property
     def is_dead(self) -> bool:
-        if self.dead_error is None and not self.proc.is_alive():
-            self.dead_error = EngineDeadError(f"Engine core process died (exit code {self.proc.exitcode}).")
+        if self.dead_error is None and not self._core_alive():
+            self.dead_error = EngineDeadError(f"Engine core process died (exit code {self._core_exitcode()}).")
         return self.dead_error is not None
 
     def _check_alive(self) -> None:
@@ -177,6 +241,7 @@ class MPClient(EngineCoreClient):
         return EngineCoreRequestType.ABORT.value, self.encoder.encode(list(request_ids))
 
     def _add_frames(self, request: EngineCoreRequest) -> tuple[bytes, bytes]:
+        request.client_index = self.client_index
         return EngineCoreRequestType.ADD.value, self.encoder.encode(request)
 
     def shutdown(self) -> None:
@@ -185,8 +250,8 @@ class MPClient(EngineCoreClient):
 
 class SyncMPClient(MPClient):
     def __init__(self, vllm_config: VllmConfig, engine_core_factory: Callable[[VllmConfig], Any] | None = None,
-                 start_method: str = "spawn") -> None:
-        super().__init__(vllm_config, False, engine_core_factory, start_method)
+                 start_method: str = "spawn", handle: EngineCoreHandle | None = None) -> None:
+        super().__init__(vllm_config, False, engine_core_factory, start_method, handle)
         self.poller = zmq.Poller()
         self.poller.register(self.output_socket, zmq.POLLIN)
 
@@ -211,8 +276,8 @@ class SyncMPClient(MPClient):
 
 class AsyncMPClient(MPClient):
     def __init__(self, vllm_config: VllmConfig, engine_core_factory: Callable[[VllmConfig], Any] | None = None,
-                 start_method: str = "spawn") -> None:
-        super().__init__(vllm_config, True, engine_core_factory, start_method)
+                 start_method: str = "spawn", handle: EngineCoreHandle | None = None) -> None:
+        super().__init__(vllm_config, True, engine_core_factory, start_method, handle)
         # NOTE: a plain view of the output socket for non-blocking reads of what is already queued.
         self._sync_output = zmq.Socket.shadow(self.output_socket.underlying)
 

@@ -1,15 +1,21 @@
 """The engine-core process: an EngineCore driven by a busy loop over ZMQ sockets.
 
-Frames from the frontend (PUSH -> our PULL): `[EngineCoreRequestType.value, payload]` with payload an encoded
-EngineCoreRequest (ADD), a list of request ids (ABORT) or `(method, args)` (UTILITY). Frames to the frontend
-(our PUSH -> its PULL): `[kind, payload]` with kind one of:
-- `READY`: sent once after the model loaded and the KV cache was allocated; payload `{"num_gpu_blocks": n}`;
+It serves one or more frontends ("clients": API server processes with --api-server-count N; client i owns the
+i-th input and output address). Frames from a frontend (its PUSH -> our PULL, fair-queued over all clients):
+`[EngineCoreRequestType.value, payload]` with payload an encoded EngineCoreRequest (ADD), a list of request ids
+(ABORT) or `(method, args)` (UTILITY). Frames to a frontend (our PUSH -> its PULL): `[kind, payload]` with kind
+one of:
+- `READY`: sent once to every client after the model loaded and the KV cache was allocated; payload
+  `{"num_gpu_blocks": n, "pid": pid}`;
 - `OUTPUTS`: an encoded EngineCoreOutputs;
-- `ERROR`: a fatal error (at startup or in a step) as text; the process exits non-zero right after.
+- `ERROR`: a fatal error (at startup or in a step) as text, to every client; the process exits non-zero.
 
 Invariants:
 - Every input that is waiting is handled before the next step, so an ABORT frees its KV blocks before the
   blocks are used again; after an abort that left the core idle, one stats-only output reports the new KV usage.
+- With several clients, each request's outputs go to the client named by its `client_index` and only there;
+  scheduler stats go to every client. An ADD whose request id is already running (two API servers given the
+  same id) is refused with an ABORT-finished output to its own client; the running request is untouched.
 - The loop ends when the parent process is gone (checked while idle), on SIGTERM/SIGINT, or on SHUTDOWN.
 """
 
@@ -26,7 +32,7 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.profiling import maybe_cprofile
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -41,15 +47,17 @@ _IDLE_POLL_MS = 1000
 class EngineCoreProc:
     """Owns the sockets and the loop; `engine_core` is anything with EngineCore's four methods."""
 
-    def __init__(self, engine_core: Any, input_address: str, output_address: str, parent_pid: int) -> None:
+    def __init__(self, engine_core: Any, input_addresses: list[str], output_addresses: list[str],
+                 parent_pid: int) -> None:
         self.engine_core = engine_core
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
-        self.input_socket.connect(input_address)
-        self.output_socket = self.ctx.socket(zmq.PUSH)
-        self.output_socket.setsockopt(zmq.SNDHWM, 0)
-        self.output_socket.connect(output_address)
+        for address in input_addresses:
+            self.input_socket.connect(address)
+        self.output_sockets = [_connect_push(self.ctx, address) for address in output_addresses]
+        # Several clients only: request id -> the client its outputs go to (dropped when it finishes).
+        self.client_of: dict[str, int] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.input_socket, zmq.POLLIN)
         self.encoder = MsgpackEncoder()
@@ -57,18 +65,52 @@ class EngineCoreProc:
         self.generic_decoder = MsgpackDecoder()
         self.should_stop = False
 
-    def send(self, kind: bytes, payload: Any) -> None:
-        self.output_socket.send_multipart((kind, self.encoder.encode(payload)), copy=False)
+    def send(self, kind: bytes, payload: Any, client: int = 0) -> None:
+        self.output_sockets[client].send_multipart((kind, self.encoder.encode(payload)), copy=False)
+
+    def broadcast(self, kind: bytes, payload: Any) -> None:
+        frames = (kind, self.encoder.encode(payload))
+        for socket in self.output_sockets:
+            socket.send_multipart(frames, copy=False)
+
+    def send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """One step's outputs: as they are with one client, else split by each request's client."""
+        if len(self.output_sockets) == 1:
+            self.send(OUTPUTS, outputs)
+            return
+        groups: list[list[EngineCoreOutput]] = [[] for _ in self.output_sockets]
+        for output in outputs.outputs:
+            client = self.client_of.pop(output.request_id, 0) if output.finished else \
+                self.client_of.get(output.request_id, 0)
+            groups[client].append(output)
+        finished: list[set[str]] = [set() for _ in self.output_sockets]
+        for req_id in outputs.finished_requests or ():
+            finished[self.client_of.pop(req_id, 0)].add(req_id)
+        for client, group in enumerate(groups):
+            if group or finished[client] or outputs.scheduler_stats is not None:
+                self.send(OUTPUTS, EngineCoreOutputs(outputs=group, scheduler_stats=outputs.scheduler_stats,
+                                                     finished_requests=finished[client] or None), client)
 
     def _handle_input(self, frames: list[bytes]) -> bool:
         """Apply one input message; True when it was an abort (KV usage may have changed)."""
         request_type, payload = EngineCoreRequestType(frames[0]), frames[1]
         if request_type == EngineCoreRequestType.ADD:
             request: EngineCoreRequest = self.request_decoder.decode(payload)
+            if len(self.output_sockets) > 1:
+                if request.request_id in self.client_of:
+                    logger.warning("Request id %r is already running (another API server); the new request is "
+                                   "aborted.", request.request_id)
+                    refused = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)
+                    self.send(OUTPUTS, EngineCoreOutputs(outputs=[refused]), request.client_index)
+                    return False
+                self.client_of[request.request_id] = request.client_index
             self.engine_core.add_request(request)
             return False
         if request_type == EngineCoreRequestType.ABORT:
-            self.engine_core.abort_requests(list(self.generic_decoder.decode(payload)))
+            request_ids = list(self.generic_decoder.decode(payload))
+            for req_id in request_ids:
+                self.client_of.pop(req_id, None)
+            self.engine_core.abort_requests(request_ids)
             return True
         method, _args = self.generic_decoder.decode(payload)
         if method == "shutdown":
@@ -98,9 +140,9 @@ class EngineCoreProc:
             if self.should_stop:
                 break
             if self.engine_core.has_unfinished_requests():
-                self.send(OUTPUTS, self.engine_core.step())
+                self.send_outputs(self.engine_core.step())
             elif aborted:
-                self.send(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
+                self.broadcast(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
 
     def _stats(self) -> Any:
         scheduler = getattr(self.engine_core, "scheduler", None)
@@ -108,17 +150,28 @@ class EngineCoreProc:
 
     def close(self) -> None:
         self.input_socket.close(linger=0)
-        self.output_socket.close(linger=2000)
+        for socket in self.output_sockets:
+            socket.close(linger=2000)
         self.ctx.term()
+
+
+def _connect_push(ctx: zmq.Context, address: str) -> zmq.Socket:
+    socket = ctx.socket(zmq.PUSH)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.connect(address)
+    return socket
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def run_engine_core(vllm_config: VllmConfig, input_address: str, output_address: str, parent_pid: int,
-                    engine_core_factory: Callable[[VllmConfig], Any] | None = None) -> None:
-    """Entry point of the engine-core process (multiprocessing target)."""
+def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], output_address: str | list[str],
+                    parent_pid: int, engine_core_factory: Callable[[VllmConfig], Any] | None = None) -> None:
+    """Entry point of the engine-core process (multiprocessing target); a list of addresses per side (same
+    length) serves several clients, client i on the i-th pair."""
+    input_addresses = [input_address] if isinstance(input_address, str) else list(input_address)
+    output_addresses = [output_address] if isinstance(output_address, str) else list(output_address)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, _raise_system_exit)
     proc: EngineCoreProc | None = None
@@ -131,11 +184,11 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str, output_address:
                 engine_core_factory = EngineCore
             engine_core = engine_core_factory(vllm_config)
         except Exception as e:
-            _report_startup_error(ctx, output_address, e)
+            _report_startup_error(ctx, output_addresses, e)
             exit_code = 1
             return
-        proc = EngineCoreProc(engine_core, input_address, output_address, parent_pid)
-        proc.send(READY, {"num_gpu_blocks": int(getattr(engine_core, "num_gpu_blocks", 0) or 0),
+        proc = EngineCoreProc(engine_core, input_addresses, output_addresses, parent_pid)
+        proc.broadcast(READY, {"num_gpu_blocks": int(getattr(engine_core, "num_gpu_blocks", 0) or 0),
                           "pid": os.getpid()})
         with maybe_cprofile(f"engine_core_{os.getpid()}"):
             proc.run_busy_loop()
@@ -145,7 +198,7 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str, output_address:
         exit_code = 1
         logger.exception("Engine core failed.")
         if proc is not None:
-            proc.send(ERROR, f"Engine core failed:\n{traceback.format_exc()}")
+            proc.broadcast(ERROR, f"Engine core failed:\n{traceback.format_exc()}")
     finally:
         if proc is not None:
             proc.close()
@@ -154,9 +207,9 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str, output_address:
             os._exit(exit_code)
 
 
-def _report_startup_error(ctx: zmq.Context, output_address: str, error: Exception) -> None:
-    socket = ctx.socket(zmq.PUSH)
-    socket.connect(output_address)
-    message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-    socket.send_multipart((ERROR, MsgpackEncoder().encode(message)))
-    socket.close(linger=5000)
+def _report_startup_error(ctx: zmq.Context, output_addresses: list[str], error: Exception) -> None:
+    message = MsgpackEncoder().encode(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+    for address in output_addresses:
+        socket = _connect_push(ctx, address)
+        socket.send_multipart((ERROR, message))
+        socket.close(linger=5000)
