@@ -3,7 +3,8 @@
 # offline throughput, serving A/B. Results land in $OUT (the device tool's output folder) or ./out; with
 # PACK=1 they are also packed into $OUT/all.tgz (the device tool returns only a few files, and no deep folders).
 #   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
-# Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS.
+# Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
+# per-thread CPU use (tools/cpu_sample.py) while the stages run.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if [ ! -d /tmp/site/msgspec ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -11,6 +12,9 @@ if [ ! -d /tmp/site/msgspec ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 stages=${*:-"info tests backend mask attn throughput"}
+if [ "${CPU_SAMPLE:-0}" = 1 ]; then  # per-thread CPU use of the python processes, every 5 s, during all stages
+  python3 tools/cpu_sample.py > "$OUT/cpu_sample.txt" 2>&1 & sampler=$!
+fi
 for s in $stages; do
   echo "=== $s $(date +%T)"
   case $s in
@@ -43,6 +47,7 @@ for s in $stages; do
     ab) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
   esac
 done
+[ -n "${sampler:-}" ] && kill "$sampler"
 if [ "${PACK:-0}" = 1 ]; then
   tar czf /tmp/gpu_run_all.tgz -C "$OUT" . && mv /tmp/gpu_run_all.tgz "$OUT/all.tgz"
 fi

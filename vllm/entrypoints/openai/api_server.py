@@ -311,12 +311,14 @@ def run_api_servers(args: argparse.Namespace) -> int:
             exited = [p for p in members if not p.is_alive()]
         for proc in exited:
             proc.join()  # NOTE: reaped at once, so the API servers see a dead core's pid gone.
-            logger.error("%s (pid %d) exited with code %s; stopping the others.", proc.name, proc.pid,
-                         proc.exitcode)
+            if not stop_requested:
+                logger.error("%s (pid %d) exited with code %s; stopping the others.", proc.name, proc.pid,
+                             proc.exitcode)
         # NOTE: the API servers first (graceful: they finish their responses), then the core.
         _stop(servers, 10)
         _stop([core], 10)
-        return 0 if stop_requested and not exited else 1
+        # NOTE: a signal to the whole process group (Ctrl-C) may end a member before this loop saw the signal.
+        return 0 if stop_requested else 1
     finally:
         _stop([*servers, core], 1)
         shutil.rmtree(tmp_dir, ignore_errors=True)

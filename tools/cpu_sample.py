@@ -1,0 +1,60 @@
+"""Per-thread CPU use of this machine's python processes, sampled every --interval s (for serving profiles).
+
+Prints, per interval, the busiest threads: CPU % of one core, pid, thread name, and the process's arguments.
+Runs until killed. Used by tools/gpu_run.sh (CPU_SAMPLE=1) next to a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def snapshot() -> dict[tuple[int, int], tuple[int, str, str]]:
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if "python" not in cmd:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+                name = stat[stat.index("(") + 1:stat.rindex(")")]
+                fields = stat[stat.rindex(")") + 2:].split()
+                out[(int(pid), int(tid))] = (int(fields[11]) + int(fields[12]), name, cmd)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--interval", type=float, default=5.0)
+    parser.add_argument("--top", type=int, default=16)
+    args = parser.parse_args()
+    hz = os.sysconf("SC_CLK_TCK")
+    prev, t_prev = snapshot(), time.monotonic()
+    while True:
+        time.sleep(args.interval)
+        cur, t_cur = snapshot(), time.monotonic()
+        rows = []
+        for key, (ticks, name, cmd) in cur.items():
+            if key in prev:
+                pct = 100.0 * (ticks - prev[key][0]) / hz / (t_cur - t_prev)
+                if pct >= 1.0:
+                    rows.append((pct, key[0], name, cmd))
+        rows.sort(reverse=True)
+        total = sum(r[0] for r in rows)
+        print(f"--- {time.strftime('%H:%M:%S')} total {total:.0f}% of one core", flush=True)
+        for pct, pid, name, cmd in rows[:args.top]:
+            print(f"{pct:6.1f}% {pid:>7} {name:<16} {cmd[:110]}", flush=True)
+        prev, t_prev = cur, t_cur
+
+
+if __name__ == "__main__":
+    main()
