@@ -111,6 +111,68 @@ class SamplingMaskText(NamedTuple):
         return _csr_rows(self.text, self.offsets)
 
 
+class StepMasks(NamedTuple):
+    """A step's sampling masks (and their JSON text) kept whole in the engine core, with the positions each
+    output carries: output `out_index[r]` owns positions first_pos[r] .. first_pos[r] + num_pos[r] - 1.
+
+    The scheduler builds it instead of slicing every request's rows; the wire packing gathers the rows once per
+    step with numpy (`gather`, serial_utils.pack_step_arrays) and in-process consumers get per-output slices
+    from `materialize`. Rows are in output order."""
+
+    masks: SamplingMaskLists
+    texts: SamplingMaskText | None
+    # [R] int64 each
+    out_index: np.ndarray
+    first_pos: np.ndarray
+    num_pos: np.ndarray
+
+    def positions(self) -> np.ndarray:
+        """[sum(num_pos)] int64: every carried position, row after row."""
+        if not len(self.num_pos) or (self.num_pos == 1).all():
+            return self.first_pos
+        starts = self.first_pos - (np.cumsum(self.num_pos) - self.num_pos)
+        return np.repeat(starts, self.num_pos) + np.arange(int(self.num_pos.sum()))
+
+    def sizes(self) -> np.ndarray:
+        """Ids in each carried position's mask (int64)."""
+        offsets = self.masks.offsets
+        assert offsets is not None
+        pos = self.positions()
+        return offsets[pos + 1] - offsets[pos]
+
+    def gather(self, text: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(size per carried position, their data back to back) of the masks, or of the texts."""
+        data, offsets = (self.texts.text, self.texts.offsets) if text and self.texts is not None else \
+            (self.masks.token_ids, self.masks.offsets)
+        assert offsets is not None
+        pos = self.positions()
+        lo, hi = offsets[pos], offsets[pos + 1]
+        sizes = hi - lo
+        if not len(pos):
+            return sizes, data[:0]
+        # NOTE: one slice per run of consecutive positions (one run, no copy, in the common one-client decode
+        # step); an index array per id would cost 8 bytes per text byte.
+        breaks = np.flatnonzero(pos[1:] != pos[:-1] + 1) + 1
+        if not len(breaks):
+            return sizes, data[lo[0]:hi[-1]]
+        run_lo, run_hi = lo[np.r_[0, breaks]].tolist(), hi[np.r_[breaks - 1, len(pos) - 1]].tolist()
+        return sizes, np.concatenate([data[a:b] for a, b in zip(run_lo, run_hi)])
+
+    def select(self, rows: np.ndarray, out_index: np.ndarray) -> StepMasks:
+        """The rows `rows`, renumbered to the outputs `out_index` (one client's share of the step)."""
+        return StepMasks(self.masks, self.texts, out_index, self.first_pos[rows], self.num_pos[rows])
+
+    def materialize(self, outputs: list) -> None:
+        """Give each output its own slice (new_sampling_mask / new_sampling_mask_text), as the scheduler did."""
+        masks, texts = self.masks, self.texts
+        for out, first, num in zip(self.out_index.tolist(), self.first_pos.tolist(), self.num_pos.tolist()):
+            outputs[out].new_sampling_mask = SamplingMaskLists(*_slice_csr(masks.token_ids, masks.offsets, None,
+                                                                           first, num))
+            if texts is not None:
+                outputs[out].new_sampling_mask_text = SamplingMaskText(*_slice_csr(texts.text, texts.offsets, None,
+                                                                                   first, num))
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     # [num_reqs]

@@ -132,23 +132,32 @@ def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
     that carry logprobs and their row counts, the rows stacked; for masks and their JSON texts, the output
     indices, positions per output, one size per position and every position's data concatenated."""
     outs = outputs.outputs
+    step_masks = outputs.step_masks
     lp = [(i, o.new_logprobs) for i, o in enumerate(outs) if o.new_logprobs is not None]
     masks = [(i, o.new_sampling_mask) for i, o in enumerate(outs) if o.new_sampling_mask is not None]
     texts = [(i, o.new_sampling_mask_text) for i, o in enumerate(outs) if o.new_sampling_mask_text is not None]
-    if not lp and not masks and not texts:
+    if not lp and not masks and not texts and step_masks is None:
         return outputs
     lp_arrays: tuple[Any, ...] = (None, None, None)
     if lp:
         lp_arrays = tuple(np.concatenate([np.asarray(x[f]) for _, x in lp]) for f in range(3))
-    mask_csr = _pack_csr(masks, "token_ids")
+    if step_masks is not None:
+        # NOTE: the scheduler left the rows in the step's arrays: one numpy gather per step, no per-output work.
+        assert not masks and not texts, "an output carries both its own mask and a StepMasks row"
+        indices, positions = step_masks.out_index.tolist(), step_masks.num_pos.tolist()
+        mask_csr: tuple[Any, ...] = (indices, positions, *step_masks.gather())
+        text_csr: tuple[Any, ...] = ((indices, positions, *step_masks.gather(text=True))
+                                     if step_masks.texts is not None else ([], [], None, None))
+    else:
+        mask_csr, text_csr = _pack_csr(masks, "token_ids"), _pack_csr(texts, "text")
     if mask_csr[3] is not None:
         mask_csr = (*mask_csr[:3], mask_csr[3].astype(np.int32, copy=False))
     new_outs = [o if o.new_logprobs is None and o.new_sampling_mask is None and o.new_sampling_mask_text is None
                 else msgspec.structs.replace(o, new_logprobs=None, new_sampling_mask=None,
                                              new_sampling_mask_text=None) for o in outs]
     step_arrays = ([i for i, _ in lp], [len(x.logprob_token_ids) for _, x in lp], *lp_arrays, *mask_csr,
-                   *_pack_csr(texts, "text"))
-    return msgspec.structs.replace(outputs, outputs=new_outs, step_arrays=step_arrays)
+                   *text_csr)
+    return msgspec.structs.replace(outputs, outputs=new_outs, step_arrays=step_arrays, step_masks=None)
 
 
 def unpack_step_arrays(outputs: EngineCoreOutputs) -> None:

@@ -9,9 +9,28 @@ from collections.abc import Callable
 import numpy as np
 
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import FinishReason
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import EngineCoreOutputs, FinishReason
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
 from vllm.v1.request import Request
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+
+def update(sched: Scheduler, out: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+    """update_from_output, then each output's mask rows two ways: sliced in process (StepMasks.materialize) and
+    after the wire's step-level packing (one numpy gather) and unpacking; both must agree."""
+    outs = sched.update_from_output(out, runner_output)
+    wire = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outs))
+    if outs.step_masks is not None:
+        outs.step_masks.materialize(outs.outputs)
+        outs.step_masks = None
+    assert [o.request_id for o in wire.outputs] == [o.request_id for o in outs.outputs]
+    for got, want in zip(wire.outputs, outs.outputs):
+        if want.new_sampling_mask is None:
+            assert got.new_sampling_mask is None
+        else:
+            assert got.new_sampling_mask.to_nested_list() == want.new_sampling_mask.to_nested_list()
+    return outs
 
 
 def logprobs_for(rows: int) -> LogprobsLists:
@@ -39,7 +58,7 @@ def test_three_requests_each_receive_their_own_mask_row(make_scheduler: Callable
     runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                       sampled_token_ids=[sampled[r] for r in req_ids], logprobs=logprobs,
                                       sampling_masks=masks)
-    outs = sched.update_from_output(out, runner_output)
+    outs = update(sched, out, runner_output)
 
     by_id = {o.request_id: o for o in outs.outputs}
     assert set(by_id) == {"a", "b", "c", "e"}  # d sampled nothing
@@ -76,7 +95,7 @@ def test_multi_token_step_slices_positions_and_cuts_at_stop(make_scheduler: Call
     logprobs = logprobs_for(5)._replace(cu_num_generated_tokens=cu)
     runner_output = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1},
                                       sampled_token_ids=[[5, 6], [7, 2, 9]], logprobs=logprobs, sampling_masks=masks)
-    outs = sched.update_from_output(out, runner_output)
+    outs = update(sched, out, runner_output)
     a, b = outs.outputs
     assert a.new_token_ids == [5, 6] and a.new_sampling_mask.to_nested_list() == [[1, 5], [6]]
     assert b.new_token_ids == [7, 2] and b.new_sampling_mask.to_nested_list() == [[7], [2, 4]]
@@ -93,7 +112,7 @@ def test_no_masks_or_logprobs_when_runner_has_none(make_scheduler: Callable[...,
     sched = make_scheduler()
     sched.add_request(request_factory("a", 3, logprobs=2, top_k=2))
     out = sched.schedule()
-    outs = sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": 0}, [[4]]))
+    outs = update(sched, out, ModelRunnerOutput(["a"], {"a": 0}, [[4]]))
     (o,) = outs.outputs
     assert o.new_token_ids == [4] and o.new_logprobs is None and o.new_sampling_mask is None
     assert outs.scheduler_stats.sampling_mask_sizes == []

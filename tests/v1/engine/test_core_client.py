@@ -4,6 +4,7 @@ errors and a core that dies."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import pytest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, SyncMPClient, launch_engine_core
-from vllm.v1.outputs import SamplingMaskLists
+from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText, StepMasks
 
 CRASH_TOKEN = 999_999
 
@@ -218,5 +219,47 @@ def test_shared_core_routes_outputs_to_their_client_and_refuses_a_duplicate_id()
             c.shutdown()
         if proc.is_alive():
             proc.kill()
+        proc.join(5)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+class StepMaskEngineCore(FakeEngineCore):
+    """FakeEngineCore whose masks (and their JSON text) stay in step arrays (StepMasks), as the scheduler's do;
+    the step's rows are laid out in reverse output order, so every client's rows need a gather."""
+
+    def step(self) -> EngineCoreOutputs:
+        outs = super().step()
+        rows = [o.new_sampling_mask.token_ids for o in outs.outputs][::-1]
+        for o in outs.outputs:
+            o.new_sampling_mask = None
+        texts = [np.frombuffer(json.dumps(r.tolist(), separators=(",", ":")).encode(), np.uint8) for r in rows]
+        mask_offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+        text_offsets = np.cumsum([0] + [len(t) for t in texts]).astype(np.int64)
+        n = len(rows)
+        outs.step_masks = StepMasks(
+            SamplingMaskLists(np.concatenate(rows) if n else np.zeros(0, np.int32), mask_offsets),
+            SamplingMaskText(np.concatenate(texts) if n else np.zeros(0, np.uint8), text_offsets),
+            np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)[::-1].copy(), np.ones(n, dtype=np.int64))
+        return outs
+
+
+def test_shared_core_splits_step_masks_and_texts_per_client() -> None:
+    proc, handles, tmp_dir = launch_engine_core(None, 2, StepMaskEngineCore, start_method="fork")  # type: ignore[arg-type]
+    clients = [SyncMPClient(None, handle=h) for h in handles]  # type: ignore[arg-type]
+    try:
+        for i in range(6):
+            clients[i % 2].add_request(_request(f"r{i}", [1] * (i + 1), 3))
+        by_client = [_collect(clients[0], 3), _collect(clients[1], 3)]
+        assert set(by_client[0]) == {"r0", "r2", "r4"} and set(by_client[1]) == {"r1", "r3", "r5"}
+        for by_req in by_client:
+            for outs in by_req.values():
+                for o in outs:
+                    t = o.new_token_ids[0]
+                    assert o.new_sampling_mask.to_nested_list() == [[t - 1, t, t + 1]]
+                    assert bytes(o.new_sampling_mask_text.text) == f"[{t - 1},{t},{t + 1}]".encode()
+    finally:
+        for c in clients:
+            c.shutdown()
+        proc.terminate()
         proc.join(5)
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -71,6 +71,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Wire form only (vllm/v1/serial_utils.py): the outputs' logprobs and sampling masks as a few step-level
     # arrays; None in memory on both sides.
     step_arrays: Any = None
+    # Engine core only: the step's sampling masks with each output's positions (vllm.v1.outputs.StepMasks), in
+    # place of per-output slices; packed into step_arrays on the wire, or `materialize`d for in-process use.
+    step_masks: Any = None
 
 
 class EngineCoreRequestType(enum.Enum):

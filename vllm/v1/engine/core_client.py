@@ -126,7 +126,11 @@ class InprocClient(EngineCoreClient):
             self.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.engine_core.step()
+        outputs = self.engine_core.step()
+        if outputs.step_masks is not None:
+            outputs.step_masks.materialize(outputs.outputs)
+            outputs.step_masks = None
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()

@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 
 from vllm.config import VllmConfig
@@ -79,17 +80,30 @@ class EngineCoreProc:
             self.send(OUTPUTS, outputs)
             return
         groups: list[list[EngineCoreOutput]] = [[] for _ in self.output_sockets]
+        out_client = []  # per output: its client, and its index in that client's group
+        out_slot = []
         for output in outputs.outputs:
             client = self.client_of.pop(output.request_id, 0) if output.finished else \
                 self.client_of.get(output.request_id, 0)
+            out_client.append(client)
+            out_slot.append(len(groups[client]))
             groups[client].append(output)
         finished: list[set[str]] = [set() for _ in self.output_sockets]
         for req_id in outputs.finished_requests or ():
             finished[self.client_of.pop(req_id, 0)].add(req_id)
+        step_masks = outputs.step_masks
+        if step_masks is not None:
+            row_client = np.array(out_client, dtype=np.int64)[step_masks.out_index]
+            row_slot = np.array(out_slot, dtype=np.int64)[step_masks.out_index]
         for client, group in enumerate(groups):
             if group or finished[client] or outputs.scheduler_stats is not None:
+                masks = None
+                if step_masks is not None:
+                    rows = np.flatnonzero(row_client == client)
+                    masks = step_masks.select(rows, row_slot[rows]) if len(rows) else None
                 self.send(OUTPUTS, EngineCoreOutputs(outputs=group, scheduler_stats=outputs.scheduler_stats,
-                                                     finished_requests=finished[client] or None), client)
+                                                     finished_requests=finished[client] or None,
+                                                     step_masks=masks), client)
 
     def _handle_input(self, frames: list[bytes]) -> bool:
         """Apply one input message; True when it was an abort (KV usage may have changed)."""

@@ -21,12 +21,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+import numpy as np
+
 from vllm.config import VllmConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.utils import check_stop
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput, StepMasks
 from vllm.v1.request import Request, RequestStatus
 
 
@@ -210,8 +212,12 @@ class Scheduler:
         mask_text = model_runner_output.sampling_mask_text
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
-        mask_sizes: list[int] = []
-        num_overflow_rows = 0
+        # Per output with a mask: its index, first position in the step's masks, position count, top_k.
+        mask_out: list[int] = []
+        mask_first: list[int] = []
+        mask_num: list[int] = []
+        mask_top_k: list[int] = []
+        cu = sampling_masks.cu_num_generated_tokens if sampling_masks is not None else None
 
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -236,16 +242,12 @@ class Scheduler:
             new_logprobs = None
             if logprobs is not None and params.logprobs is not None:
                 new_logprobs = logprobs.slice_request(req_idx, num_new)
-            new_sampling_mask = new_sampling_mask_text = None
             if sampling_masks is not None and params.return_sampling_mask is not False:
-                new_sampling_mask = sampling_masks.slice_request(req_idx, num_new)
-                if mask_text is not None:
-                    new_sampling_mask_text = mask_text.slice_request(req_idx, num_new)
-                sizes = ([len(new_sampling_mask.token_ids)] if new_sampling_mask.offsets is None
-                         else [int(n) for n in (new_sampling_mask.offsets[1:] - new_sampling_mask.offsets[:-1])])
-                mask_sizes.extend(sizes)
-                if params.top_k > 0:
-                    num_overflow_rows += sum(size > params.top_k for size in sizes)
+                # NOTE: no per-request slice here: the rows stay in the step's arrays (StepMasks).
+                mask_out.append(len(outputs))
+                mask_first.append(cu[req_idx] if cu is not None else req_idx)
+                mask_num.append(num_new)
+                mask_top_k.append(params.top_k)
 
             if request.is_finished():
                 stopped.append(request)
@@ -255,11 +257,9 @@ class Scheduler:
                 request_id=req_id,
                 new_token_ids=new_token_ids,
                 new_logprobs=new_logprobs,
-                new_sampling_mask=new_sampling_mask,
                 finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_cached_tokens=0,
-                new_sampling_mask_text=new_sampling_mask_text,
             ))
 
         if stopped:
@@ -269,12 +269,24 @@ class Scheduler:
             gone = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in gone]
 
+        step_masks = None
+        mask_sizes: list[int] = []
+        num_overflow_rows = 0
+        if mask_out:
+            assert sampling_masks is not None
+            step_masks = StepMasks(sampling_masks, mask_text, np.array(mask_out, dtype=np.int64),
+                                   np.array(mask_first, dtype=np.int64), np.array(mask_num, dtype=np.int64))
+            sizes = step_masks.sizes()
+            top_k = np.repeat(np.array(mask_top_k, dtype=np.int64), step_masks.num_pos)
+            num_overflow_rows = int(((top_k > 0) & (sizes > top_k)).sum())
+            mask_sizes = sizes.tolist()
         aborted = self._aborted_req_ids or None
         self._aborted_req_ids = set()
         return EngineCoreOutputs(
             outputs=outputs,
             scheduler_stats=self.make_stats(mask_sizes, num_overflow_rows),
             finished_requests=aborted,
+            step_masks=step_masks,
         )
 
     def make_stats(self, sampling_mask_sizes: list[int] | None = None,
