@@ -35,6 +35,9 @@ _VARS = {
     "VLLM_SAMPLING_MASK_TEXT": lambda: _bool("VLLM_SAMPLING_MASK_TEXT", True),
     # Performance work only: cProfile the API server and engine-core processes into this folder (vllm/profiling.py).
     "VLLM_CPROFILE_DIR": lambda: _str("VLLM_CPROFILE_DIR"),
+    # Performance work only: the engine-core process logs where its time goes per step every 5 s
+    # (vllm/v1/metrics/step_timing.py).
+    "VLLM_ENGINE_STEP_TIMING": lambda: _bool("VLLM_ENGINE_STEP_TIMING", False),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
 }

@@ -26,3 +26,18 @@ def test_bulk_mask_size_observation_equals_observe() -> None:
     assert got == want and want[("vllm:sampling_mask_size_count", (("model_name", "m"),))] == len(sizes)
     overflow = _samples(bulk.registry, "vllm:sampling_mask_overflow_rows")
     assert overflow[("vllm:sampling_mask_overflow_rows_total", (("model_name", "m"),))] == 3
+
+
+def test_step_timer_reports_ms_per_step_and_resets() -> None:
+    from vllm.v1.metrics.step_timing import StepTimer
+    timer = StepTimer()
+    for _ in range(4):
+        timer.add("schedule", 0.002)
+        timer.add("wait", 0.010)
+        timer.add("out.lists", 0.001)
+        timer.count_step(8)
+    line = timer.report()
+    # 4 steps: 2 ms schedule and 10 ms wait each, 8 rows per step.
+    assert "8 rows/step" in line and "schedule 2.00" in line and "wait 10.00" in line and "out.lists 1.00" in line
+    assert "update 0.00" in line
+    assert timer.steps == 0 and not timer.totals

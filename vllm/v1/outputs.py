@@ -42,11 +42,6 @@ class LogprobsLists(NamedTuple):
     sampled_token_ranks: np.ndarray
     cu_num_generated_tokens: list[int] | None = None
 
-    def slice_request(self, req_idx: int, num_positions: int = 1) -> LogprobsLists:
-        start, end = _position_range(self.cu_num_generated_tokens, req_idx, num_positions)
-        return LogprobsLists(self.logprob_token_ids[start:end], self.logprobs[start:end],
-                             self.sampled_token_ranks[start:end], None)
-
 
 class LogprobsTensors(NamedTuple):
     # [num_reqs, num_logprobs + 1] int32
@@ -111,13 +106,50 @@ class SamplingMaskText(NamedTuple):
         return _csr_rows(self.text, self.offsets)
 
 
+def _step_positions(first_pos: np.ndarray, num_pos: np.ndarray) -> np.ndarray:
+    """[sum(num_pos)] int64: positions first_pos[r] .. first_pos[r] + num_pos[r] - 1 of every row r, in order."""
+    if not len(num_pos) or (num_pos == 1).all():
+        return first_pos
+    starts = first_pos - (np.cumsum(num_pos) - num_pos)
+    return np.repeat(starts, num_pos) + np.arange(int(num_pos.sum()))
+
+
+class StepLogprobs(NamedTuple):
+    """A step's logprobs kept whole in the engine core, with the positions each output carries: output
+    `out_index[r]` owns positions first_pos[r] .. first_pos[r] + num_pos[r] - 1 (rows in output order).
+
+    The scheduler builds it instead of slicing every request's rows; the wire packing gathers them once per step
+    (`gather`, serial_utils.pack_step_arrays), in-process consumers get per-output slices from `materialize`."""
+
+    lists: LogprobsLists
+    # [R] int64 each
+    out_index: np.ndarray
+    first_pos: np.ndarray
+    num_pos: np.ndarray
+
+    def gather(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids, logprobs, ranks) of every carried position, row after row."""
+        pos = _step_positions(self.first_pos, self.num_pos)
+        return self.lists.logprob_token_ids[pos], self.lists.logprobs[pos], self.lists.sampled_token_ranks[pos]
+
+    def select(self, rows: np.ndarray, out_index: np.ndarray) -> StepLogprobs:
+        """The rows `rows`, renumbered to the outputs `out_index` (one client's share of the step)."""
+        return StepLogprobs(self.lists, out_index, self.first_pos[rows], self.num_pos[rows])
+
+    def materialize(self, outputs: list) -> None:
+        """Give each output its own LogprobsLists slice (new_logprobs), as the scheduler did."""
+        ids, values, ranks = self.lists[:3]
+        for out, first, num in zip(self.out_index.tolist(), self.first_pos.tolist(), self.num_pos.tolist()):
+            end = first + num
+            outputs[out].new_logprobs = LogprobsLists(ids[first:end], values[first:end], ranks[first:end], None)
+
+
 class StepMasks(NamedTuple):
     """A step's sampling masks (and their JSON text) kept whole in the engine core, with the positions each
-    output carries: output `out_index[r]` owns positions first_pos[r] .. first_pos[r] + num_pos[r] - 1.
+    output carries, as in StepLogprobs.
 
-    The scheduler builds it instead of slicing every request's rows; the wire packing gathers the rows once per
-    step with numpy (`gather`, serial_utils.pack_step_arrays) and in-process consumers get per-output slices
-    from `materialize`. Rows are in output order."""
+    The wire packing gathers the rows once per step (`gather`) and in-process consumers get per-output slices
+    from `materialize`."""
 
     masks: SamplingMaskLists
     texts: SamplingMaskText | None
@@ -126,18 +158,11 @@ class StepMasks(NamedTuple):
     first_pos: np.ndarray
     num_pos: np.ndarray
 
-    def positions(self) -> np.ndarray:
-        """[sum(num_pos)] int64: every carried position, row after row."""
-        if not len(self.num_pos) or (self.num_pos == 1).all():
-            return self.first_pos
-        starts = self.first_pos - (np.cumsum(self.num_pos) - self.num_pos)
-        return np.repeat(starts, self.num_pos) + np.arange(int(self.num_pos.sum()))
-
     def sizes(self) -> np.ndarray:
         """Ids in each carried position's mask (int64)."""
         offsets = self.masks.offsets
         assert offsets is not None
-        pos = self.positions()
+        pos = _step_positions(self.first_pos, self.num_pos)
         return offsets[pos + 1] - offsets[pos]
 
     def gather(self, text: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -145,18 +170,22 @@ class StepMasks(NamedTuple):
         data, offsets = (self.texts.text, self.texts.offsets) if text and self.texts is not None else \
             (self.masks.token_ids, self.masks.offsets)
         assert offsets is not None
-        pos = self.positions()
+        pos = _step_positions(self.first_pos, self.num_pos)
         lo, hi = offsets[pos], offsets[pos + 1]
         sizes = hi - lo
         if not len(pos):
             return sizes, data[:0]
         # NOTE: one slice per run of consecutive positions (one run, no copy, in the common one-client decode
-        # step); an index array per id would cost 8 bytes per text byte.
+        # step), joined as bytes: 2x faster than np.concatenate of the slices, 20x faster than an index array
+        # per id (8 bytes of index per text byte).
         breaks = np.flatnonzero(pos[1:] != pos[:-1] + 1) + 1
         if not len(breaks):
             return sizes, data[lo[0]:hi[-1]]
-        run_lo, run_hi = lo[np.r_[0, breaks]].tolist(), hi[np.r_[breaks - 1, len(pos) - 1]].tolist()
-        return sizes, np.concatenate([data[a:b] for a, b in zip(run_lo, run_hi)])
+        item = data.itemsize
+        run_lo = (lo[np.r_[0, breaks]] * item).tolist()
+        run_hi = (hi[np.r_[breaks - 1, len(pos) - 1]] * item).tolist()
+        raw = memoryview(np.ascontiguousarray(data)).cast("B")
+        return sizes, np.frombuffer(b"".join([raw[a:b] for a, b in zip(run_lo, run_hi)]), dtype=data.dtype)
 
     def select(self, rows: np.ndarray, out_index: np.ndarray) -> StepMasks:
         """The rows `rows`, renumbered to the outputs `out_index` (one client's share of the step)."""

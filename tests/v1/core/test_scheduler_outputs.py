@@ -17,19 +17,24 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 
 def update(sched: Scheduler, out: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
-    """update_from_output, then each output's mask rows two ways: sliced in process (StepMasks.materialize) and
-    after the wire's step-level packing (one numpy gather) and unpacking; both must agree."""
+    """update_from_output, then each output's logprob and mask rows two ways: sliced in process
+    (materialize_step_rows) and after the wire's step-level packing (one numpy gather) and unpacking; both must
+    agree."""
     outs = sched.update_from_output(out, runner_output)
     wire = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outs))
-    if outs.step_masks is not None:
-        outs.step_masks.materialize(outs.outputs)
-        outs.step_masks = None
+    outs.materialize_step_rows()
+    assert outs.step_logprobs is None and outs.step_masks is None
     assert [o.request_id for o in wire.outputs] == [o.request_id for o in outs.outputs]
     for got, want in zip(wire.outputs, outs.outputs):
         if want.new_sampling_mask is None:
             assert got.new_sampling_mask is None
         else:
             assert got.new_sampling_mask.to_nested_list() == want.new_sampling_mask.to_nested_list()
+        if want.new_logprobs is None:
+            assert got.new_logprobs is None
+        else:
+            for g, w in zip(got.new_logprobs[:3], want.new_logprobs[:3]):
+                assert g == np.asarray(w).tolist()
     return outs
 
 

@@ -16,7 +16,7 @@ import pytest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError, SyncMPClient, launch_engine_core
-from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText, StepMasks
+from vllm.v1.outputs import LogprobsLists, SamplingMaskLists, SamplingMaskText, StepLogprobs, StepMasks
 
 CRASH_TOKEN = 999_999
 
@@ -224,8 +224,9 @@ def test_shared_core_routes_outputs_to_their_client_and_refuses_a_duplicate_id()
 
 
 class StepMaskEngineCore(FakeEngineCore):
-    """FakeEngineCore whose masks (and their JSON text) stay in step arrays (StepMasks), as the scheduler's do;
-    the step's rows are laid out in reverse output order, so every client's rows need a gather."""
+    """FakeEngineCore whose masks (and their JSON text) and logprobs stay in step arrays (StepMasks,
+    StepLogprobs), as the scheduler's do; the step's rows are laid out in reverse output order, so every client's
+    rows need a gather. Token t's logprobs row: ids [t, t + 7], logprobs [-t / 1000, -1], rank t % 5 + 1."""
 
     def step(self) -> EngineCoreOutputs:
         outs = super().step()
@@ -240,10 +241,17 @@ class StepMaskEngineCore(FakeEngineCore):
             SamplingMaskLists(np.concatenate(rows) if n else np.zeros(0, np.int32), mask_offsets),
             SamplingMaskText(np.concatenate(texts) if n else np.zeros(0, np.uint8), text_offsets),
             np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)[::-1].copy(), np.ones(n, dtype=np.int64))
+        tokens = np.array([o.new_token_ids[0] for o in outs.outputs][::-1], dtype=np.int64).reshape(n)
+        lists = LogprobsLists(np.stack([tokens, tokens + 7], axis=1).astype(np.int32),
+                              np.stack([-tokens / 1000, -np.ones(n)], axis=1).astype(np.float32),
+                              (tokens % 5 + 1).astype(np.int32))
+        outs.step_logprobs = StepLogprobs(lists, np.arange(n, dtype=np.int64),
+                                          np.arange(n, dtype=np.int64)[::-1].copy(),
+                                          np.ones(n, dtype=np.int64))
         return outs
 
 
-def test_shared_core_splits_step_masks_and_texts_per_client() -> None:
+def test_shared_core_splits_step_rows_per_client() -> None:
     proc, handles, tmp_dir = launch_engine_core(None, 2, StepMaskEngineCore, start_method="fork")  # type: ignore[arg-type]
     clients = [SyncMPClient(None, handle=h) for h in handles]  # type: ignore[arg-type]
     try:
@@ -257,6 +265,9 @@ def test_shared_core_splits_step_masks_and_texts_per_client() -> None:
                     t = o.new_token_ids[0]
                     assert o.new_sampling_mask.to_nested_list() == [[t - 1, t, t + 1]]
                     assert bytes(o.new_sampling_mask_text.text) == f"[{t - 1},{t},{t + 1}]".encode()
+                    ids, values, ranks = o.new_logprobs[:3]
+                    assert ids == [[t, t + 7]] and ranks == [t % 5 + 1]
+                    assert values == [[pytest.approx(-t / 1000), -1.0]]
     finally:
         for c in clients:
             c.shutdown()

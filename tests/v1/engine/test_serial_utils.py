@@ -9,7 +9,7 @@ import pytest
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
 from vllm.v1.outputs import LogprobsLists, SamplingMaskLists
-from vllm.v1.serial_utils import NDARRAY_EXT_CODE, MsgpackDecoder, MsgpackEncoder
+from vllm.v1.serial_utils import AUX_FRAME_MIN_BYTES, NDARRAY_EXT_CODE, MsgpackDecoder, MsgpackEncoder
 
 
 @pytest.mark.parametrize("arr", [
@@ -96,3 +96,38 @@ def test_engine_core_outputs_round_trip_restores_named_tuples() -> None:
     assert c.new_token_ids == [] and c.new_sampling_mask is None
     assert got.scheduler_stats == outputs.scheduler_stats
     assert got.finished_requests == {"d"}
+
+
+def test_large_arrays_travel_in_frames_of_their_own() -> None:
+    big = np.arange(AUX_FRAME_MIN_BYTES // 4 + 3, dtype=np.int32)  # over the threshold
+    big2d = np.arange(2 * AUX_FRAME_MIN_BYTES, dtype=np.float64).reshape(-1, 4)[:, ::2]  # non-contiguous
+    small = np.array([1, 2, 3], dtype=np.int16)
+    frames = MsgpackEncoder().encode_frames({"big": big, "small": small, "big2d": big2d})
+    assert len(frames) == 3
+    # The message holds no array bytes but the small one's; the frames are the arrays' raw buffers.
+    assert len(frames[0]) < 200
+    assert bytes(frames[1]) == big.tobytes() and bytes(frames[2]) == np.ascontiguousarray(big2d).tobytes()
+    # What ZMQ delivers: the frames as separate buffers (copies here).
+    out = MsgpackDecoder().decode(bytes(frames[0]), [bytes(f) for f in frames[1:]])
+    for key, want in (("big", big), ("small", small), ("big2d", big2d)):
+        assert out[key].dtype == want.dtype and out[key].shape == want.shape
+        np.testing.assert_array_equal(out[key], want)
+    with pytest.raises(ValueError, match="frame 2 missing"):
+        MsgpackDecoder().decode(bytes(frames[0]), [bytes(frames[1])])
+
+
+def test_step_masks_over_frames_match_the_inline_encoding() -> None:
+    """A 64-row step with 300-id masks: encode_frames moves the mask ids out of the message, the decoded outputs
+    equal the single-message encoding's."""
+    rng = np.random.default_rng(1)
+    rows = [np.sort(rng.choice(5000, 300, replace=False)).astype(np.int32) for _ in range(64)]
+    outputs = EngineCoreOutputs(outputs=[EngineCoreOutput(f"r{i}", [int(r[0])], None, SamplingMaskLists(r, None))
+                                         for i, r in enumerate(rows)])
+    encoder = MsgpackEncoder()
+    frames = encoder.encode_frames(outputs)
+    assert len(frames) == 2  # 64 * 300 * 4 bytes of ids
+    got = MsgpackDecoder(EngineCoreOutputs).decode(frames[0], frames[1:])
+    inline = MsgpackDecoder(EngineCoreOutputs).decode(encoder.encode(outputs))
+    for g, w, row in zip(got.outputs, inline.outputs, rows):
+        assert g.request_id == w.request_id and g.new_token_ids == w.new_token_ids
+        assert g.new_sampling_mask.to_nested_list() == w.new_sampling_mask.to_nested_list() == [row.tolist()]

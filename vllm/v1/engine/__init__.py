@@ -71,9 +71,18 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Wire form only (vllm/v1/serial_utils.py): the outputs' logprobs and sampling masks as a few step-level
     # arrays; None in memory on both sides.
     step_arrays: Any = None
-    # Engine core only: the step's sampling masks with each output's positions (vllm.v1.outputs.StepMasks), in
-    # place of per-output slices; packed into step_arrays on the wire, or `materialize`d for in-process use.
+    # Engine core only: the step's logprobs and sampling masks with each output's positions
+    # (vllm.v1.outputs.StepLogprobs / StepMasks), in place of per-output slices; packed into step_arrays on the
+    # wire, or `materialize`d for in-process use (`materialize_step_rows`).
+    step_logprobs: Any = None
     step_masks: Any = None
+
+    def materialize_step_rows(self) -> None:
+        """Move step_logprobs / step_masks into the outputs' own fields (for consumers in the same process)."""
+        for rows in (self.step_logprobs, self.step_masks):
+            if rows is not None:
+                rows.materialize(self.outputs)
+        self.step_logprobs = self.step_masks = None
 
 
 class EngineCoreRequestType(enum.Enum):

@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from vllm.config import VllmConfig
@@ -24,6 +25,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.metrics.step_timing import StepTimer
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
 from vllm.v1.worker.worker import Worker
@@ -45,6 +47,10 @@ class EngineCore:
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(vllm_config, num_blocks)
         self.batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
+        self.step_timer = StepTimer()
+        copier = getattr(getattr(self.worker, "model_runner", None), "output_copier", None)
+        if copier is not None:
+            copier.timer = self.step_timer
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
@@ -63,20 +69,40 @@ class EngineCore:
         # NOTE: a step with only finished ids still runs, so the runner drops aborted requests' rows.
         if not self.scheduler.has_requests():
             return EngineCoreOutputs()
+        timer = self.step_timer
+        t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        t1 = time.perf_counter()
         model_output = self.worker.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        timer.add("schedule", t1 - t0)
+        timer.add("launch", t2 - t1)  # synchronous: the whole forward and the output lists
+        timer.add("update", time.perf_counter() - t2)
+        timer.count_step(len(scheduler_output.num_scheduled_tokens))
+        return outputs
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
-        queue = self.batch_queue
+        queue, timer = self.batch_queue, self.step_timer
         while len(queue) < _BATCH_QUEUE_SIZE and self.scheduler.has_requests():
+            t0 = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
+            t1 = time.perf_counter()
             has_tokens = scheduler_output.total_num_scheduled_tokens > 0
             if has_tokens or scheduler_output.finished_req_ids:
                 queue.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
+            timer.add("schedule", t1 - t0)
+            timer.add("launch", time.perf_counter() - t1)
             if not has_tokens:
                 break
         if not queue:
             return EngineCoreOutputs()
         scheduler_output, future = queue.popleft()
-        return self.scheduler.update_from_output(scheduler_output, future.get_output())
+        t0 = time.perf_counter()
+        model_output = future.get_output()
+        t1 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        timer.add("wait", t1 - t0)
+        timer.add("update", time.perf_counter() - t1)
+        timer.count_step(len(scheduler_output.num_scheduled_tokens))
+        return outputs

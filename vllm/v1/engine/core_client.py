@@ -127,9 +127,7 @@ class InprocClient(EngineCoreClient):
 
     def get_output(self) -> EngineCoreOutputs:
         outputs = self.engine_core.step()
-        if outputs.step_masks is not None:
-            outputs.step_masks.materialize(outputs.outputs)
-            outputs.step_masks = None
+        outputs.materialize_step_rows()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -233,11 +231,13 @@ class MPClient(EngineCoreClient):
             assert self.dead_error is not None
             raise self.dead_error
 
-    def _decode_output(self, kind: bytes, payload: bytes) -> EngineCoreOutputs:
+    def _decode_output(self, frames: list[zmq.Frame]) -> EngineCoreOutputs:
+        """An OUTPUTS message (received with copy=False: its array frames are decoded without a copy)."""
+        kind = frames[0].bytes
         if kind == OUTPUTS:
-            return self.outputs_decoder.decode(payload)
+            return self.outputs_decoder.decode(frames[1].buffer, [f.buffer for f in frames[2:]])
         if kind == ERROR:
-            self.dead_error = EngineDeadError(str(self.generic_decoder.decode(payload)))
+            self.dead_error = EngineDeadError(str(self.generic_decoder.decode(frames[1].buffer)))
             raise self.dead_error
         raise RuntimeError(f"Unexpected message from the engine core: {kind!r}.")
 
@@ -274,8 +274,7 @@ class SyncMPClient(MPClient):
             waited_ms += _POLL_MS
             if timeout_s is not None and waited_ms >= timeout_s * 1000:
                 raise TimeoutError("No engine-core output within the timeout.")
-        kind, payload = self.output_socket.recv_multipart()
-        return self._decode_output(kind, payload)
+        return self._decode_output(self.output_socket.recv_multipart(copy=False))
 
 
 class AsyncMPClient(MPClient):
@@ -288,10 +287,10 @@ class AsyncMPClient(MPClient):
     def get_output_nowait(self) -> EngineCoreOutputs | None:
         """The next queued engine-core output, or None when none has arrived yet (never waits)."""
         try:
-            kind, payload = self._sync_output.recv_multipart(flags=zmq.NOBLOCK)
+            frames = self._sync_output.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        return self._decode_output(kind, payload)
+        return self._decode_output(frames)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._check_alive()
@@ -304,8 +303,7 @@ class AsyncMPClient(MPClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         while not await self.output_socket.poll(_POLL_MS):
             self._check_alive()
-        kind, payload = await self.output_socket.recv_multipart()
-        return self._decode_output(kind, payload)
+        return self._decode_output(await self.output_socket.recv_multipart(copy=False))
 
     async def wait_dead(self) -> None:
         """Return once the core process has exited (for the server's watchdog)."""

@@ -7,7 +7,8 @@ i-th input and output address). Frames from a frontend (its PUSH -> our PULL, fa
 one of:
 - `READY`: sent once to every client after the model loaded and the KV cache was allocated; payload
   `{"num_gpu_blocks": n, "pid": pid}`;
-- `OUTPUTS`: an encoded EngineCoreOutputs;
+- `OUTPUTS`: an encoded EngineCoreOutputs, its large arrays (sampling masks) in frames of their own after it
+  (MsgpackEncoder.encode_frames);
 - `ERROR`: a fatal error (at startup or in a step) as text, to every client; the process exits non-zero.
 
 Invariants:
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.profiling import maybe_cprofile
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason
@@ -43,6 +46,8 @@ OUTPUTS = b"O"
 ERROR = b"E"
 # NOTE: how long an idle core waits for input before checking that its parent is still alive.
 _IDLE_POLL_MS = 1000
+# VLLM_ENGINE_STEP_TIMING: seconds between two step-timing log lines.
+_STEP_TIMING_LOG_S = 5.0
 
 
 class EngineCoreProc:
@@ -67,10 +72,10 @@ class EngineCoreProc:
         self.should_stop = False
 
     def send(self, kind: bytes, payload: Any, client: int = 0) -> None:
-        self.output_sockets[client].send_multipart((kind, self.encoder.encode(payload)), copy=False)
+        self.output_sockets[client].send_multipart((kind, *self.encoder.encode_frames(payload)), copy=False)
 
     def broadcast(self, kind: bytes, payload: Any) -> None:
-        frames = (kind, self.encoder.encode(payload))
+        frames = (kind, *self.encoder.encode_frames(payload))
         for socket in self.output_sockets:
             socket.send_multipart(frames, copy=False)
 
@@ -91,19 +96,23 @@ class EngineCoreProc:
         finished: list[set[str]] = [set() for _ in self.output_sockets]
         for req_id in outputs.finished_requests or ():
             finished[self.client_of.pop(req_id, 0)].add(req_id)
-        step_masks = outputs.step_masks
-        if step_masks is not None:
-            row_client = np.array(out_client, dtype=np.int64)[step_masks.out_index]
-            row_slot = np.array(out_slot, dtype=np.int64)[step_masks.out_index]
+        # Each client's share of the step-level rows, renumbered to its own outputs.
+        out_client_np, out_slot_np = np.array(out_client, dtype=np.int64), np.array(out_slot, dtype=np.int64)
+        shares: list[dict[str, Any]] = [{} for _ in self.output_sockets]
+        for name in ("step_logprobs", "step_masks"):
+            step_rows = getattr(outputs, name)
+            if step_rows is None:
+                continue
+            row_client, row_slot = out_client_np[step_rows.out_index], out_slot_np[step_rows.out_index]
+            for client, share in enumerate(shares):
+                rows = np.flatnonzero(row_client == client)
+                if len(rows):
+                    share[name] = step_rows.select(rows, row_slot[rows])
         for client, group in enumerate(groups):
             if group or finished[client] or outputs.scheduler_stats is not None:
-                masks = None
-                if step_masks is not None:
-                    rows = np.flatnonzero(row_client == client)
-                    masks = step_masks.select(rows, row_slot[rows]) if len(rows) else None
                 self.send(OUTPUTS, EngineCoreOutputs(outputs=group, scheduler_stats=outputs.scheduler_stats,
                                                      finished_requests=finished[client] or None,
-                                                     step_masks=masks), client)
+                                                     **shares[client]), client)
 
     def _handle_input(self, frames: list[bytes]) -> bool:
         """Apply one input message; True when it was an abort (KV usage may have changed)."""
@@ -148,15 +157,33 @@ class EngineCoreProc:
             aborted |= self._handle_input(frames)
 
     def run_busy_loop(self) -> None:
+        timer = getattr(self.engine_core, "step_timer", None)
+        log_every = _STEP_TIMING_LOG_S if timer is not None and envs.VLLM_ENGINE_STEP_TIMING else None
+        last_log = time.monotonic()
         while not self.should_stop:
             idle = not self.engine_core.has_unfinished_requests()
+            t0 = time.perf_counter()
             aborted = self._process_inputs(block=idle)
             if self.should_stop:
                 break
+            if idle and timer is not None:
+                timer.restart_if_empty()
             if self.engine_core.has_unfinished_requests():
-                self.send_outputs(self.engine_core.step())
+                t1 = time.perf_counter()
+                outputs = self.engine_core.step()
+                t2 = time.perf_counter()
+                self.send_outputs(outputs)
+                if timer is not None:
+                    if not idle:  # an idle core blocked for its first request: not a step's time
+                        timer.add("inputs", t1 - t0)
+                    timer.add("send", time.perf_counter() - t2)
             elif aborted:
                 self.broadcast(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
+            # Every few seconds, and when the core goes idle.
+            if log_every is not None and timer.steps and (time.monotonic() - last_log >= log_every
+                                                          or not self.engine_core.has_unfinished_requests()):
+                last_log = time.monotonic()
+                logger.info("Engine step timing: %s", timer.report())
 
     def _stats(self) -> Any:
         scheduler = getattr(self.engine_core, "scheduler", None)
@@ -188,6 +215,8 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
     output_addresses = [output_address] if isinstance(output_address, str) else list(output_address)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, _raise_system_exit)
+    # NOTE: a spawned process starts without the parent's logging set-up (a no-op when it has one).
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     proc: EngineCoreProc | None = None
     ctx = zmq.Context()
     exit_code = 0

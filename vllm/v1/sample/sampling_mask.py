@@ -365,9 +365,12 @@ class LegacySamplingMaskCopy:
     ready: torch.cuda.Event | None
     vocab_size: int
 
-    def tolists(self) -> SamplingMaskLists:
+    def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
+
+    def tolists(self) -> SamplingMaskLists:
+        self.wait()
         return legacy_unpack_sampling_mask(self.packed_mask.numpy(), self.vocab_size)
 
     def text_lists(self, lists: SamplingMaskLists) -> None:

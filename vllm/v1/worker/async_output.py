@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -83,6 +84,8 @@ class AsyncOutputCopier:
         self._slots = [_HostSlot(max_num_reqs, max_num_logprobs + 1, on_cuda) for _ in range(2)] if on_cuda else []
         self._next_slot = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-output") if use_thread else None
+        # The engine core's StepTimer (vllm/v1/metrics/step_timing.py), when it has one.
+        self.timer: Any = None
 
     def submit(self, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor, logprobs: Any,
                sampling_mask: Any, on_ready: Callable[[np.ndarray], None]) -> AsyncModelRunnerOutput:
@@ -105,7 +108,7 @@ class AsyncOutputCopier:
                 event = slot.event
                 event.record(self.copy_stream)
         mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text) if sampling_mask is not None else None
-        args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy)
+        args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy, self.timer)
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
             output, sampled_np = _build_output(*args)
@@ -120,9 +123,14 @@ class AsyncOutputCopier:
 
 
 def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Event | None,
-                  sampled: torch.Tensor, logprobs: Any, mask_copy: Any) -> tuple[ModelRunnerOutput, np.ndarray]:
+                  sampled: torch.Tensor, logprobs: Any, mask_copy: Any,
+                  timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
+    t0 = time.perf_counter()
     if event is not None:
         event.synchronize()
+    if mask_copy is not None:
+        mask_copy.wait()
+    t1 = time.perf_counter()
     sampled_np = sampled.numpy()
     sampled_token_ids = [[t] if s else [] for t, s in zip(sampled_np.tolist(), samples.tolist())]
     logprobs_lists: LogprobsLists | None = None
@@ -138,4 +146,7 @@ def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Eve
     output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
                                sampling_mask_text=text)
+    if timer is not None:
+        timer.add("out.event", t1 - t0)
+        timer.add("out.lists", time.perf_counter() - t1)
     return output, sampled_np

@@ -28,7 +28,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.utils import check_stop
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from vllm.v1.outputs import ModelRunnerOutput, StepMasks
+from vllm.v1.outputs import ModelRunnerOutput, StepLogprobs, StepMasks
 from vllm.v1.request import Request, RequestStatus
 
 
@@ -212,11 +212,16 @@ class Scheduler:
         mask_text = model_runner_output.sampling_mask_text
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
-        # Per output with a mask: its index, first position in the step's masks, position count, top_k.
+        # NOTE: no per-request slices of logprobs or masks: the rows stay in the step's arrays (StepLogprobs,
+        # StepMasks), with per output its index, its first position in the step and its position count.
+        lp_out: list[int] = []
+        lp_first: list[int] = []
+        lp_num: list[int] = []
         mask_out: list[int] = []
         mask_first: list[int] = []
         mask_num: list[int] = []
         mask_top_k: list[int] = []
+        lp_cu = logprobs.cu_num_generated_tokens if logprobs is not None else None
         cu = sampling_masks.cu_num_generated_tokens if sampling_masks is not None else None
 
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -239,11 +244,11 @@ class Scheduler:
             num_new = len(new_token_ids)
             params = request.sampling_params
 
-            new_logprobs = None
             if logprobs is not None and params.logprobs is not None:
-                new_logprobs = logprobs.slice_request(req_idx, num_new)
+                lp_out.append(len(outputs))
+                lp_first.append(lp_cu[req_idx] if lp_cu is not None else req_idx)
+                lp_num.append(num_new)
             if sampling_masks is not None and params.return_sampling_mask is not False:
-                # NOTE: no per-request slice here: the rows stay in the step's arrays (StepMasks).
                 mask_out.append(len(outputs))
                 mask_first.append(cu[req_idx] if cu is not None else req_idx)
                 mask_num.append(num_new)
@@ -256,7 +261,6 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_token_ids,
-                new_logprobs=new_logprobs,
                 finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_cached_tokens=0,
@@ -269,6 +273,11 @@ class Scheduler:
             gone = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in gone]
 
+        step_logprobs = None
+        if lp_out:
+            assert logprobs is not None
+            step_logprobs = StepLogprobs(logprobs, np.array(lp_out, dtype=np.int64),
+                                         np.array(lp_first, dtype=np.int64), np.array(lp_num, dtype=np.int64))
         step_masks = None
         mask_sizes: list[int] = []
         num_overflow_rows = 0
@@ -286,6 +295,7 @@ class Scheduler:
             outputs=outputs,
             scheduler_stats=self.make_stats(mask_sizes, num_overflow_rows),
             finished_requests=aborted,
+            step_logprobs=step_logprobs,
             step_masks=step_masks,
         )
 

@@ -1,0 +1,51 @@
+"""Where the engine core's time goes per step, for performance work (VLLM_ENGINE_STEP_TIMING=1).
+
+The engine core adds each phase's wall time (perf_counter) to a StepTimer: `inputs` (reading the frontends'
+messages), `schedule`, `launch` (the runner's input preparation and kernel launches), `wait` (blocked on the
+oldest step's output: device time and the output thread not hidden behind host work), `update`
+(update_from_output) and `send` (splitting, packing, encoding and queueing the outputs). The output thread adds
+`out.event` (waiting for the device-to-host copies) and `out.lists` (building the host lists). With the variable
+set, the engine-core process logs ms per step of each every few seconds; the accumulation itself is a few
+perf_counter calls per step and always on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+PHASES = ("inputs", "schedule", "launch", "wait", "update", "send", "out.event", "out.lists")
+
+
+class StepTimer:
+    def __init__(self) -> None:
+        self.totals: defaultdict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.rows = 0
+        self.since = time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.totals[phase] += seconds
+
+    def count_step(self, rows: int) -> None:
+        self.steps += 1
+        self.rows += rows
+
+    def restart_if_empty(self) -> None:
+        """Start the current window now if no step is in it (the core was idle until now)."""
+        if not self.steps:
+            self.totals.clear()
+            self.since = time.perf_counter()
+
+    def report(self) -> str:
+        """One line: steps/s, rows per step and ms per step of each phase since the last report; then resets."""
+        now = time.perf_counter()
+        elapsed, steps = now - self.since, max(self.steps, 1)
+        parts = " ".join(f"{p} {1e3 * self.totals[p] / steps:.2f}" for p in PHASES)
+        busy = sum(self.totals[p] for p in PHASES if not p.startswith("out.") and p != "wait")
+        line = (f"{self.steps / elapsed:.1f} steps/s, {self.rows / steps:.0f} rows/step, ms/step: {parts}; "
+                f"host busy {100 * busy / elapsed:.0f}%")
+        self.totals.clear()
+        self.steps = self.rows = 0
+        self.since = now
+        return line
