@@ -165,27 +165,23 @@ class StepMasks(NamedTuple):
         pos = _step_positions(self.first_pos, self.num_pos)
         return offsets[pos + 1] - offsets[pos]
 
-    def gather(self, text: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(size per carried position, their data back to back) of the masks, or of the texts."""
+    def gather(self, text: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start, size) of every carried position in `data`, and `data`: a view of the step's mask ids (or
+        texts) from the first carried byte to the last, never a copy.
+
+        NOTE: with several API servers each one's positions are scattered over the step; sending each the
+        span that covers them (zero-copy frames, so ~the whole step to each) costs the ZMQ I/O threads a copy
+        per server but the engine core's main thread nothing, where gathering them cost it ~1.5 ms per
+        1024-row step."""
         data, offsets = (self.texts.text, self.texts.offsets) if text and self.texts is not None else \
             (self.masks.token_ids, self.masks.offsets)
         assert offsets is not None
         pos = _step_positions(self.first_pos, self.num_pos)
         lo, hi = offsets[pos], offsets[pos + 1]
-        sizes = hi - lo
         if not len(pos):
-            return sizes, data[:0]
-        # NOTE: one slice per run of consecutive positions (one run, no copy, in the common one-client decode
-        # step), joined as bytes: 2x faster than np.concatenate of the slices, 20x faster than an index array
-        # per id (8 bytes of index per text byte).
-        breaks = np.flatnonzero(pos[1:] != pos[:-1] + 1) + 1
-        if not len(breaks):
-            return sizes, data[lo[0]:hi[-1]]
-        item = data.itemsize
-        run_lo = (lo[np.r_[0, breaks]] * item).tolist()
-        run_hi = (hi[np.r_[breaks - 1, len(pos) - 1]] * item).tolist()
-        raw = memoryview(np.ascontiguousarray(data)).cast("B")
-        return sizes, np.frombuffer(b"".join([raw[a:b] for a, b in zip(run_lo, run_hi)]), dtype=data.dtype)
+            return lo, hi - lo, data[:0]
+        base, top = int(lo.min()), int(hi.max())
+        return lo - base, hi - lo, data[base:top]
 
     def select(self, rows: np.ndarray, out_index: np.ndarray) -> StepMasks:
         """The rows `rows`, renumbered to the outputs `out_index` (one client's share of the step)."""

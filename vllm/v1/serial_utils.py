@@ -140,9 +140,9 @@ class MsgpackDecoder:
 
 
 def _pack_csr(items: list[tuple[int, Any]], field: str) -> tuple[list[int], list[int], np.ndarray | None,
-                                                                  np.ndarray | None]:
-    """(output indices, positions per output, one size per position, the data concatenated) of the
-    SamplingMaskLists / SamplingMaskText slices in `items` (`field` names their data array)."""
+                                                                  np.ndarray | None, np.ndarray | None]:
+    """(output indices, positions per output, start and size of each position in the data, the data) of the
+    SamplingMaskLists / SamplingMaskText slices in `items` (`field` names their data array), concatenated."""
     sizes: list[int] = []
     positions: list[int] = []
     for _, m in items:
@@ -153,21 +153,22 @@ def _pack_csr(items: list[tuple[int, Any]], field: str) -> tuple[list[int], list
             sizes.extend(np.diff(m.offsets).tolist())
             positions.append(len(m.offsets) - 1)
     if not items:
-        return [], [], None, None
+        return [], [], None, None, None
+    size_arr = np.array(sizes, dtype=np.int64)
+    starts = np.cumsum(size_arr) - size_arr
     data = np.concatenate([getattr(m, field) for _, m in items])
-    return [i for i, _ in items], positions, np.array(sizes, dtype=np.int64), data
+    return [i for i, _ in items], positions, starts, size_arr, data
 
 
 def _unpack_csr(outs: list[Any], attr: str, cls: Any, indices: list[int], positions: list[int],
-                sizes: np.ndarray, data: np.ndarray) -> None:
-    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    offs = offsets.tolist()
+                starts: np.ndarray, sizes: np.ndarray, data: np.ndarray) -> None:
+    """Each output's positions are consecutive in `data` (one request's rows of a step are)."""
+    lo, hi = starts.tolist(), (starts + sizes).tolist()
     p = 0
     for i, n in zip(indices, positions):
-        lo = offs[p]
-        setattr(outs[i], attr, cls(data[lo:offs[p + 1]], None, None) if n == 1 else
-                cls(data[lo:offs[p + n]], offsets[p:p + n + 1] - lo))
+        first = lo[p]
+        setattr(outs[i], attr, cls(data[first:hi[p]], None, None) if n == 1 else
+                cls(data[first:hi[p + n - 1]], np.append(starts[p:p + n], hi[p + n - 1]) - first))
         p += n
 
 
@@ -175,8 +176,8 @@ def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
     """A copy of `outputs` whose logprobs / masks / mask texts (per output, or step-level StepLogprobs /
     StepMasks) are concatenated into `step_arrays`: (lp_outputs, lp_rows, lp_token_ids, lp_logprobs, lp_ranks,
     *mask_csr, *text_csr): the indices of the outputs that carry logprobs and their row counts, the rows
-    stacked; for masks and their JSON texts, the output indices, positions per output, one size per position and
-    every position's data concatenated."""
+    stacked; for masks and their JSON texts, the output indices, positions per output, each position's start and
+    size in the data, and the data (per-output slices concatenated; StepMasks: a view of the step's arrays)."""
     outs = outputs.outputs
     step_logprobs, step_masks = outputs.step_logprobs, outputs.step_masks
     lp = [(i, o.new_logprobs) for i, o in enumerate(outs) if o.new_logprobs is not None]
@@ -199,11 +200,11 @@ def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         indices, positions = step_masks.out_index.tolist(), step_masks.num_pos.tolist()
         mask_csr: tuple[Any, ...] = (indices, positions, *step_masks.gather())
         text_csr: tuple[Any, ...] = ((indices, positions, *step_masks.gather(text=True))
-                                     if step_masks.texts is not None else ([], [], None, None))
+                                     if step_masks.texts is not None else ([], [], None, None, None))
     else:
         mask_csr, text_csr = _pack_csr(masks, "token_ids"), _pack_csr(texts, "text")
-    if mask_csr[3] is not None:
-        mask_csr = (*mask_csr[:3], mask_csr[3].astype(np.int32, copy=False))
+    if mask_csr[4] is not None:
+        mask_csr = (*mask_csr[:4], mask_csr[4].astype(np.int32, copy=False))
     new_outs = outs if not lp and not masks and not texts else [
         o if o.new_logprobs is None and o.new_sampling_mask is None and o.new_sampling_mask_text is None
         else msgspec.structs.replace(o, new_logprobs=None, new_sampling_mask=None, new_sampling_mask_text=None)
@@ -219,7 +220,7 @@ def unpack_step_arrays(outputs: EngineCoreOutputs) -> None:
     if outputs.step_arrays is None:
         return
     lp_outputs, lp_rows, lp_ids, lp_values, lp_ranks = outputs.step_arrays[:5]
-    mask_csr, text_csr = outputs.step_arrays[5:9], outputs.step_arrays[9:13]
+    mask_csr, text_csr = outputs.step_arrays[5:10], outputs.step_arrays[10:15]
     outputs.step_arrays = None
     outs = outputs.outputs
     if lp_outputs:

@@ -144,3 +144,24 @@ def test_cuda_copy_fetches_bitmask_rows_only_on_overflow(overflow: bool) -> None
     eager.wait()
     assert not eager.tensors.packed_mask.is_cuda
     assert np.array_equal(eager.tolists().token_ids, lists.token_ids)
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_packed_ids_give_the_same_csr_as_the_compact_buffer(overflow: bool) -> None:
+    """The CUDA copy's host CSR comes from the ids packed on the device (`pack_rows`, rows past K left out);
+    on CPU tensors the same host code must equal the [num_reqs, K] gather, overflow rows included."""
+    from vllm.v1.sample.ops.mask_json import pack_rows
+    from vllm.v1.sample.sampling_mask import _tolists
+    vocab_size = 3000
+    sizes = [1, 8, 0, 40, 2] + ([200, 7] if overflow else [])
+    logits = build_rows(sizes, vocab_size, seed=5)
+    num_sampled = torch.ones(len(sizes), dtype=torch.int32)
+    mask = SamplingMaskTensors.from_logits(logits, num_sampled, 64)  # K = 64: the 200-id row overflows
+    num_kept = mask.token_ids.shape[1]
+    packed = pack_rows(mask.token_ids, torch.where(mask.counts > num_kept, 0, mask.counts))
+    got = _tolists(mask, None, packed)
+    want = reference_supports(logits, num_sampled.numpy())
+    assert [x.tolist() for x in np.split(got.token_ids, got.offsets[1:-1])] == [w.tolist() for w in want]
+    assert got.token_ids.dtype == np.int32
+    plain = _tolists(mask, None)
+    assert np.array_equal(plain.token_ids, got.token_ids) and np.array_equal(plain.offsets, got.offsets)

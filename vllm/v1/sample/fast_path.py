@@ -20,7 +20,8 @@ Invariants (the same results as the general path, Sampler.process_logits + rando
   with their fast-path results; with C = max_top_k + max(64, max_top_k / 4) slots that takes more than 64
   exact ties at the k-th value in each of 9+ rows of one step, or NaN/+inf logits in 9+ rows.
 - Mask rows whose support exceeds K get their bitmask row from the kept candidates (no sync); the bitmask
-  rows of the other rows are all zero (tolists() reads only overflow rows).
+  rows of the other rows are undefined (tolists() reads only overflow rows). K is the candidate width C
+  unless C > MAX_COMPACT_SUPPORT, so in the common case no row can overflow and no bitmask is built at all.
 """
 
 from __future__ import annotations
@@ -166,13 +167,19 @@ def _candidate_mask(kept: torch.Tensor, ids: torch.Tensor, mask_rows: torch.Tens
     token_ids = torch.empty((num_reqs, num_kept + 1), dtype=torch.int32, device=ids.device)
     token_ids.scatter_(1, slots, ids)
     counts = kept.sum(dim=-1).to(torch.int32)  # [num_reqs]
+    num_bytes = (vocab_size + 7) // 8
+    if num_kept >= ids.shape[1]:
+        # K holds every candidate, so no row overflows: the bitmask is never read (SamplingMaskTensors reads
+        # only rows past K, and the general path writes whole rows for the rows it recomputes).
+        packed_mask = torch.empty((num_reqs, num_bytes), dtype=torch.uint8, device=ids.device)
+        return SamplingMaskTensors(token_ids[:, :num_kept].contiguous(), packed_mask, counts, vocab_size)
     # NOTE: bitmask rows only for rows past K, without a host sync: distinct bits of one int32 word add up to
     # their OR, and the little-endian bytes of word w are tokens 32w..32w+31 in little bit order.
     overflow = kept & (counts > num_kept)[:, None]  # [num_reqs, C] bool
     words = torch.zeros((num_reqs, (vocab_size + 31) // 32), dtype=torch.int32, device=ids.device)
     bits = torch.where(overflow, torch.ones_like(ids) << (ids & 31), 0)  # [num_reqs, C] int32
     words.scatter_add_(1, (ids >> 5).to(torch.long), bits)
-    packed_mask = words.view(torch.uint8)[:, :(vocab_size + 7) // 8]  # [num_reqs, ceil(V/8)] uint8
+    packed_mask = words.view(torch.uint8)[:, :num_bytes]  # [num_reqs, ceil(V/8)] uint8
     return SamplingMaskTensors(token_ids[:, :num_kept].contiguous(), packed_mask, counts, vocab_size)
 
 

@@ -14,8 +14,9 @@ Invariants:
 
 Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where some row overflows K:
 - On the model runner's thread, `to_cpu_nonblocking()` makes a side copy stream wait for the current stream,
-  copies `token_ids` and `counts` (num_reqs x (K+1) int32, small) into pinned host memory on it and records a
-  CUDA event. It never copies `packed_mask` and never blocks the host.
+  packs each row's ids back to back there (`pack_rows`: the host's CSR, rows past K left out), copies them and
+  `counts` (at most num_reqs x (K+1) int32) into pinned host memory and records a CUDA event. It never copies
+  `packed_mask` and never blocks the host.
 - The returned `SamplingMaskCopy` holds the host tensors, the event and a reference to the device
   `packed_mask`. Its `tolists()`, meant for the async output thread, waits on the event only, reads the
   counts, and when some row has count > K gathers *only those rows* of the device bitmask on the copy
@@ -43,7 +44,7 @@ import triton.language as tl
 
 from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
 from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
-from vllm.v1.sample.ops.mask_json import json_rows_packed
+from vllm.v1.sample.ops.mask_json import json_rows_packed, pack_rows
 
 MAX_COMPACT_SUPPORT = 2048
 
@@ -171,7 +172,10 @@ class SamplingMaskTensors(NamedTuple):
         stream = _copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            token_ids = _pinned_copy(self.token_ids)
+            # NOTE: the ids leave the device packed row after row (what the host's CSR is), so the output thread
+            # only cuts them; rows past K contribute nothing here and are filled from the bitmask.
+            num_kept = self.token_ids.shape[1]
+            packed_ids = _pinned_copy(pack_rows(self.token_ids, torch.where(self.counts > num_kept, 0, self.counts)))
             counts = _pinned_copy(self.counts)
             packed_mask = _pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
             text, text_lengths = None, None
@@ -183,8 +187,8 @@ class SamplingMaskTensors(NamedTuple):
         self.token_ids.record_stream(stream)
         self.counts.record_stream(stream)
         self.packed_mask.record_stream(stream)
-        return SamplingMaskCopy(SamplingMaskTensors(token_ids, packed_mask, counts, self.vocab_size), event,
-                                stream, text, text_lengths)
+        return SamplingMaskCopy(SamplingMaskTensors(self.token_ids, packed_mask, counts, self.vocab_size), event,
+                                stream, text, text_lengths, packed_ids)
 
     def tolists(self) -> SamplingMaskLists:
         """CSR of the step (one row per request, offsets [num_reqs+1] int64); synchronous on device tensors."""
@@ -193,8 +197,9 @@ class SamplingMaskTensors(NamedTuple):
 
 @dataclass(slots=True)
 class SamplingMaskCopy:
-    """A SamplingMaskTensors on its way to the host: `tensors` holds host token_ids/counts once `ready` fires;
-    its packed_mask stays on the device unless copied eagerly."""
+    """A SamplingMaskTensors on its way to the host: `tensors` holds host counts once `ready` fires, and
+    `packed_ids` the ids (on CPU tensors: `tensors` is the mask itself, packed_ids None); its packed_mask stays
+    on the device unless copied eagerly."""
 
     tensors: SamplingMaskTensors
     # Recorded on the copy stream after the host copies; None on CPU.
@@ -203,6 +208,8 @@ class SamplingMaskCopy:
     # With `with_text`: [R * W] uint8 row texts packed back to back, and [R] int32 lengths (-1: formatted here).
     text: torch.Tensor | None = None
     text_lengths: torch.Tensor | None = None
+    # [R * K] int32 host: each row's first counts[r] ids back to back, rows with counts[r] > K contributing none.
+    packed_ids: torch.Tensor | None = None
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -211,7 +218,7 @@ class SamplingMaskCopy:
     def tolists(self) -> SamplingMaskLists:
         """Wait for the copy and build the CSR; gathers device bitmask rows only for overflow rows."""
         self.wait()
-        return _tolists(self.tensors, self.stream)
+        return _tolists(self.tensors, self.stream, self.packed_ids)
 
     def text_lists(self, lists: SamplingMaskLists) -> SamplingMaskText | None:
         """The rows of `lists` (this copy's `tolists()`) as JSON text; None without `with_text`. Rows whose
@@ -276,18 +283,26 @@ def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
     return host.numpy()
 
 
-def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None) -> SamplingMaskLists:
+def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None,
+             packed_ids: torch.Tensor | None = None) -> SamplingMaskLists:
+    """The step's CSR. `packed_ids` (host, see SamplingMaskCopy) spares the [num_reqs, K] boolean gather, which
+    holds the GIL ~1 ms per 1024-row step on the output thread while the engine's main thread waits for it."""
     counts = mask.counts.cpu().numpy().astype(np.int64)  # [num_reqs]
-    token_ids = mask.token_ids.cpu().numpy()  # [num_reqs, K]
-    num_kept = token_ids.shape[1]
+    num_kept = mask.token_ids.shape[1]
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)  # [num_reqs + 1]
     np.cumsum(counts, out=offsets[1:])
     overflow = counts > num_kept  # [num_reqs] bool
-    compact_cols = np.arange(num_kept)[None, :] < np.where(overflow, 0, counts)[:, None]  # [num_reqs, K]
+    if packed_ids is not None:
+        compact = packed_ids.numpy()[:int(counts[~overflow].sum())]
+    else:
+        token_ids = mask.token_ids.cpu().numpy()  # [num_reqs, K]
+        compact_cols = np.arange(num_kept)[None, :] < np.where(overflow, 0, counts)[:, None]  # [num_reqs, K]
+        compact = token_ids[compact_cols]
     if not overflow.any():
-        return SamplingMaskLists(token_ids[compact_cols].astype(np.int32, copy=False), offsets, None)
+        # NOTE: with packed_ids, a view of this step's pinned buffer (allocated per step, kept alive by the view).
+        return SamplingMaskLists(compact.astype(np.int32, copy=False), offsets, None)
     out = np.empty(int(offsets[-1]), dtype=np.int32)
-    out[np.repeat(~overflow, counts)] = token_ids[compact_cols]
+    out[np.repeat(~overflow, counts)] = compact
     rows = np.flatnonzero(overflow)
     packed = _overflow_bitmask_rows(mask.packed_mask, rows, stream)  # [num_overflow, ceil(V/8)] uint8
     bits = np.unpackbits(packed, axis=1, count=mask.vocab_size, bitorder="little")

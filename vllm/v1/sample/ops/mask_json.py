@@ -8,7 +8,7 @@ bytes.
 
 - `json_rows_packed` (what the engine uses): two Triton launches, one program per row: the row's text length,
   then (after a cumsum of the lengths) its text at its offset in one flat buffer, rows back to back.
-- `format_json_rows` / `pack_json_rows`: the same with torch ops, one [R, W] text per row then packed; the
+- `format_json_rows` / `pack_rows`: the same with torch ops, one [R, W] text per row then packed; the
   reference of the tests and the fallback if the kernels cannot compile.
 
 Invariants:
@@ -71,16 +71,17 @@ def format_json_rows(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[tor
     return text[:, :width], lengths
 
 
-def pack_json_rows(text: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[R, W] row texts -> [R * W] uint8 with row r's text at the exclusive prefix sum of the lengths before it
-    (rows with length -1 take no bytes), so the host needs only the lengths to cut it."""
-    num_reqs, width = text.shape
+def pack_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[R, W] rows -> [R * W] (same dtype) with row r's first lengths[r] values at the exclusive prefix sum of the
+    lengths before it (rows with length <= 0 take no room), so the host needs only the lengths to cut it. Used
+    for the JSON texts and for the mask's compact ids (SamplingMaskTensors.to_cpu_nonblocking)."""
+    num_reqs, width = values.shape
     n = lengths.to(torch.int64).clamp(min=0)  # [R]
     row_start = torch.cumsum(n, dim=0) - n  # [R]
-    cols = torch.arange(width, device=text.device)[None, :]
+    cols = torch.arange(width, device=values.device)[None, :]
     dest = torch.where(cols < n[:, None], row_start[:, None] + cols, num_reqs * width)  # [R, W]
-    flat = torch.empty(num_reqs * width + 1, dtype=torch.uint8, device=text.device)
-    flat.scatter_(0, dest.flatten(), text.flatten())
+    flat = torch.empty(num_reqs * width + 1, dtype=values.dtype, device=values.device)
+    flat.scatter_(0, dest.flatten(), values.flatten())
     return flat[:num_reqs * width]
 
 
@@ -173,4 +174,4 @@ def json_rows_packed(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[tor
             _kernels_failed = True
             logger.exception("The mask JSON kernels failed to compile; formatting with torch ops from now on.")
     text, lengths = format_json_rows(token_ids, counts)
-    return pack_json_rows(text, lengths), lengths
+    return pack_rows(text, lengths), lengths
