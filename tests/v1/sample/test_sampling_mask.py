@@ -165,3 +165,25 @@ def test_packed_ids_give_the_same_csr_as_the_compact_buffer(overflow: bool) -> N
     assert got.token_ids.dtype == np.int32
     plain = _tolists(mask, None)
     assert np.array_equal(plain.token_ids, got.token_ids) and np.array_equal(plain.offsets, got.offsets)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staged_copy_lists_survive_the_slot_reuse() -> None:
+    """With a reusable staging slot (the async output copier's), the lists and texts of one step are copies: a
+    later step copying into the same slot does not change them; a bigger step grows the slot."""
+    from vllm.v1.sample.sampling_mask import HostStagingSlot
+    vocab_size = 151552
+    slot = HostStagingSlot()
+    steps = [[1, 8, 220, 512, 0], [3, 500, 500, 500, 500, 17, 2, 9]]
+    results = []
+    for i, sizes in enumerate(steps):
+        logits = build_rows(sizes, vocab_size, seed=20 + i).cuda()
+        num_sampled = torch.ones(len(sizes), dtype=torch.int32, device="cuda")
+        copy = SamplingMaskTensors.from_logits(logits, num_sampled, 512).to_cpu_nonblocking(with_text=True,
+                                                                                           staging=slot)
+        lists = copy.tolists()
+        results.append((lists, copy.text_lists(lists), reference_supports(logits.cpu(), num_sampled.cpu().numpy())))
+    for lists, texts, want in results:
+        rows = [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])]
+        assert rows == [w.tolist() for w in want]
+        assert [bytes(t) for t in texts.rows()] == [("[" + ",".join(map(str, r)) + "]").encode() for r in rows]

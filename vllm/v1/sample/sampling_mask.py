@@ -160,27 +160,32 @@ class SamplingMaskTensors(NamedTuple):
     def max_num_kept(self) -> int:
         return self.token_ids.shape[1]
 
-    def to_cpu_nonblocking(self, copy_packed_mask: bool = False, with_text: bool = False) -> SamplingMaskCopy:
+    def to_cpu_nonblocking(self, copy_packed_mask: bool = False, with_text: bool = False,
+                           staging: HostStagingSlot | None = None) -> SamplingMaskCopy:
         """Start the device-to-host copy without blocking; see the module docstring for the protocol.
 
         with_text: also format each row's ids as JSON text on the copy stream (ops/mask_json.py) and copy it,
-        for the API server (`SamplingMaskCopy.text_lists`)."""
+        for the API server (`SamplingMaskCopy.text_lists`).
+        staging: reusable pinned buffers to copy into (the async output copier's, one slot per step in flight)
+        instead of fresh pinned memory each step; the host lists are then copied out of them."""
         if not self.counts.is_cuda:
             text = json_rows_packed(self.token_ids, self.counts) if with_text else None
             return SamplingMaskCopy(self, None, None, *(text or (None, None)))
         device = self.counts.device
         stream = _copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        copy = _pinned_copy if staging is None else staging.copy
         with torch.cuda.stream(stream):
             # NOTE: the ids leave the device packed row after row (what the host's CSR is), so the output thread
             # only cuts them; rows past K contribute nothing here and are filled from the bitmask.
             num_kept = self.token_ids.shape[1]
-            packed_ids = _pinned_copy(pack_rows(self.token_ids, torch.where(self.counts > num_kept, 0, self.counts)))
-            counts = _pinned_copy(self.counts)
+            packed_ids = copy(pack_rows(self.token_ids, torch.where(self.counts > num_kept, 0, self.counts)), "ids")
+            counts = copy(self.counts, "counts")
             packed_mask = _pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
             text, text_lengths = None, None
             if with_text:
-                text, text_lengths = (_pinned_copy(t) for t in json_rows_packed(self.token_ids, self.counts))
+                text, text_lengths = (copy(t, name) for t, name in
+                                      zip(json_rows_packed(self.token_ids, self.counts), ("text", "lengths")))
             event = torch.cuda.Event()
             event.record(stream)
         # NOTE: the caller may drop the device tensors before the side-stream copies have run.
@@ -188,7 +193,7 @@ class SamplingMaskTensors(NamedTuple):
         self.counts.record_stream(stream)
         self.packed_mask.record_stream(stream)
         return SamplingMaskCopy(SamplingMaskTensors(self.token_ids, packed_mask, counts, self.vocab_size), event,
-                                stream, text, text_lengths, packed_ids)
+                                stream, text, text_lengths, packed_ids, staging is not None)
 
     def tolists(self) -> SamplingMaskLists:
         """CSR of the step (one row per request, offsets [num_reqs+1] int64); synchronous on device tensors."""
@@ -210,6 +215,8 @@ class SamplingMaskCopy:
     text_lengths: torch.Tensor | None = None
     # [R * K] int32 host: each row's first counts[r] ids back to back, rows with counts[r] > K contributing none.
     packed_ids: torch.Tensor | None = None
+    # The host tensors are views of a HostStagingSlot that a later step reuses: the lists copy out of them.
+    staged: bool = False
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -218,7 +225,10 @@ class SamplingMaskCopy:
     def tolists(self) -> SamplingMaskLists:
         """Wait for the copy and build the CSR; gathers device bitmask rows only for overflow rows."""
         self.wait()
-        return _tolists(self.tensors, self.stream, self.packed_ids)
+        lists = _tolists(self.tensors, self.stream, self.packed_ids)
+        if self.staged:
+            lists = SamplingMaskLists(lists.token_ids.copy(), lists.offsets, None)
+        return lists
 
     def text_lists(self, lists: SamplingMaskLists) -> SamplingMaskText | None:
         """The rows of `lists` (this copy's `tolists()`) as JSON text; None without `with_text`. Rows whose
@@ -232,9 +242,9 @@ class SamplingMaskCopy:
         if not len(overflow):
             offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
-            # NOTE: a view of this step's pinned buffer (allocated per step): the engine core's wire packing
-            # copies it into the step's message anyway.
-            return SamplingMaskText(text[:offsets[-1]], offsets)
+            # NOTE: without staging, a view of this step's pinned buffer (allocated per step, kept alive by it).
+            data = text[:offsets[-1]]
+            return SamplingMaskText(data.copy() if self.staged else data, offsets)
         assert lists.offsets is not None
         pieces: list[bytes] = []
         pos = 0
@@ -256,10 +266,33 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _copy_streams[device]
 
 
-def _pinned_copy(src: torch.Tensor) -> torch.Tensor:
+def _pinned_copy(src: torch.Tensor, name: str = "") -> torch.Tensor:
     dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
     dst.copy_(src, non_blocking=True)
     return dst
+
+
+class HostStagingSlot:
+    """Pinned host buffers, one per name, reused from step to step and grown when a step needs more.
+
+    NOTE: a fresh pinned tensor per step and per buffer (several MB at 1024 rows) goes through CUDA's caching
+    host allocator on the engine's main thread, and pins new memory whenever no cached block is free yet. The
+    owner (AsyncOutputCopier) keeps one slot per step in flight and reuses a slot only after the step that used
+    it has been turned into lists, which copy out of it (SamplingMaskCopy.staged)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, src: torch.Tensor, name: str) -> torch.Tensor:
+        """Non-blocking copy of `src` into this slot's buffer `name`; returns the host view (src's dtype, shape)."""
+        nbytes = src.numel() * src.element_size()
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1 << 16) * 5 // 4, dtype=torch.uint8, pin_memory=True)
+            self._buffers[name] = buf
+        dst = buf[:nbytes].view(src.dtype).view(src.shape)
+        dst.copy_(src, non_blocking=True)
+        return dst
 
 
 def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
@@ -354,9 +387,11 @@ class LegacySamplingMask(NamedTuple):
     def from_logits(cls, logits: torch.Tensor, num_sampled: torch.Tensor | None) -> LegacySamplingMask:
         return cls(legacy_pack_sampling_mask(logits, num_sampled), logits.shape[1])
 
-    def to_cpu_nonblocking(self, with_text: bool = False) -> LegacySamplingMaskCopy:
+    def to_cpu_nonblocking(self, with_text: bool = False, staging: HostStagingSlot | None = None
+                           ) -> LegacySamplingMaskCopy:
         """Copy the whole bitmask to pinned memory on the side stream (as upstream's pre-change path did).
-        `with_text` is ignored: the pre-change path never formats the masks' JSON text."""
+        `with_text` and `staging` are ignored: the pre-change path never formats the masks' JSON text, and
+        allocates its copy per step."""
         if not self.packed_mask.is_cuda:
             return LegacySamplingMaskCopy(self.packed_mask, None, self.vocab_size)
         device = self.packed_mask.device

@@ -6,8 +6,9 @@ starts the sampling mask's own non-blocking copy, and hands the list building to
 caller gets an AsyncModelRunnerOutput at once; `get_output()` blocks until the lists are ready.
 
 Invariants:
-- Host buffers are pinned and preallocated, in two slots used alternately: a slot is reused two steps later,
-  after the engine has called `get_output()` of the step that used it (the batch queue is two deep).
+- Host buffers are pinned and preallocated (the sampling masks' grown on demand), in two slots used
+  alternately: a slot is reused two steps later, after the engine has called `get_output()` of the step that
+  used it (the batch queue is two deep), and the lists built from a slot are copies, never views of it.
 - The device tensors stay referenced until `get_output()` returned, so the allocator cannot reuse their memory
   before the side-stream copies read it.
 - On CPU there are no streams: the lists are built from the tensors themselves, in the thread when asked.
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
+from vllm.v1.sample.sampling_mask import HostStagingSlot
 
 
 class AsyncModelRunnerOutput:
@@ -82,6 +84,8 @@ class AsyncOutputCopier:
         on_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if on_cuda else None
         self._slots = [_HostSlot(max_num_reqs, max_num_logprobs + 1, on_cuda) for _ in range(2)] if on_cuda else []
+        # Pinned buffers of the sampling masks' copies, alternating like _slots.
+        self._mask_staging = [HostStagingSlot() for _ in range(2)] if on_cuda else []
         self._next_slot = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-output") if use_thread else None
         # The engine core's StepTimer (vllm/v1/metrics/step_timing.py), when it has one.
@@ -94,8 +98,10 @@ class AsyncOutputCopier:
         `on_ready(sampled_np)` runs in the caller's thread when `get_output()` first returns."""
         event = None
         host_sampled, host_logprobs = sampled, logprobs
+        staging = None
         if self.copy_stream is not None:
             slot = self._slots[self._next_slot]
+            staging = self._mask_staging[self._next_slot]
             self._next_slot ^= 1
             compute = torch.cuda.current_stream(self.device)
             self.copy_stream.wait_stream(compute)
@@ -107,7 +113,8 @@ class AsyncOutputCopier:
                                                    _copy_to_host(slot.ranks, logprobs[2]))
                 event = slot.event
                 event.record(self.copy_stream)
-        mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text) if sampling_mask is not None else None
+        mask_copy = (sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=staging)
+                     if sampling_mask is not None else None)
         args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy, self.timer)
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
