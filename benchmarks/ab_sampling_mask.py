@@ -1,7 +1,7 @@
 """Serving A/B of the sampling mask: "no mask", "mask" and "pre-change mask path" side by side in one run.
 
 For each arm, starts `vllm serve MODEL --load-format dummy --skip-tokenizer-init --max-num-seqs 1024
---logprobs-mode processed_logprobs [--return-sampling-mask]` on a free port (arm pre-change: the mask with
+--logprobs-mode processed_logprobs --api-server-count 4 [--return-sampling-mask]` on a free port (arm pre-change: the mask with
 VLLM_SAMPLING_MASK_LEGACY_PATH=1), waits for /health, runs benchmarks/benchmark_serving.py's load at each
 concurrency, and stops the server. Writes ab_sampling_mask.{json,md,png} and server_<arm>.log into --out-dir.
 
@@ -236,7 +236,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="Passed to vllm serve (e.g. cpu for a dry run).")
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=None, help="Default: input + output + 64.")
-    parser.add_argument("--server-args", default="", help="Extra vllm serve flags, one shell-quoted string.")
+    parser.add_argument("--server-args", default="--api-server-count 4",
+                        help="Extra vllm serve flags (every arm), one shell-quoted string; default: 4 API server "
+                             "processes, so that one Python frontend is not what the A/B measures.")
     parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
     parser.add_argument("--concurrencies", type=int, nargs="+", default=[64, 256, 512, 1024])
     parser.add_argument("--num-prompts-per-concurrency", type=float, default=1.0)
