@@ -205,6 +205,12 @@ def test_shared_core_routes_outputs_to_their_client_and_refuses_a_duplicate_id()
         assert [o.new_token_ids for o in _collect(clients[1], 1)["d"]] == [[1]]
         later = _next_output(clients[0], "dup")
         assert not later.finished and later.new_token_ids[0] > 1
+        # Client 1 aborting the id it was refused (its caller went away) leaves client 0's request running.
+        clients[1].abort_requests(["dup"])
+        clients[1].add_request(_request("e", [1], 1))
+        assert [o.new_token_ids for o in _collect(clients[1], 1)["e"]] == [[1]]
+        still = _next_output(clients[0], "dup")
+        assert not still.finished and still.new_token_ids[0] > later.new_token_ids[0]
         clients[0].abort_requests(["dup"])
 
         # A core that dies is seen by every client, even before its parent reaped it (a zombie).

@@ -329,3 +329,18 @@ def test_collector_cumulative_supersedes_and_error_comes_last() -> None:
         return await task
 
     assert asyncio.run(waits_for_put()).outputs[0].token_ids == [3]
+
+
+def test_final_only_masks_do_not_keep_the_step_message(tok: Tokenizer) -> None:
+    """A request that returns its masks when it finishes copies its rows: the step's message buffer (here a
+    shared array, changed after the step as a reused buffer would be) is neither kept nor read again."""
+    proc = OutputProcessor(tok, log_stats=False)
+    proc.add_request(make_request("f", [5], output_kind=RequestOutputKind.FINAL_ONLY), prompt=None)
+    step_ids = np.array([3, 9, 11, 4, 7], dtype=np.int32)  # the step's CSR: rows [3, 9, 11] and [4, 7]
+    view = step_ids[:3]
+    proc.process_outputs([EngineCoreOutput("f", [9], None, SamplingMaskLists(view, None))])
+    step_ids[:] = -1
+    res = proc.process_outputs([EngineCoreOutput("f", [4], None, SamplingMaskLists(np.array([4, 7], np.int32), None),
+                                                 finish_reason=FinishReason.LENGTH)])
+    comp = res.request_outputs[0].outputs[0]
+    assert comp.sampling_mask is not None and comp.sampling_mask.token_ids == [[3, 9, 11], [4, 7]]

@@ -242,7 +242,7 @@ class MPClient(EngineCoreClient):
         raise RuntimeError(f"Unexpected message from the engine core: {kind!r}.")
 
     def _abort_frames(self, request_ids: list[str]) -> tuple[bytes, bytes]:
-        return EngineCoreRequestType.ABORT.value, self.encoder.encode(list(request_ids))
+        return EngineCoreRequestType.ABORT.value, self.encoder.encode((self.client_index, list(request_ids)))
 
     def _add_frames(self, request: EngineCoreRequest) -> tuple[bytes, bytes]:
         request.client_index = self.client_index

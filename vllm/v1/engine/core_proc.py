@@ -2,8 +2,8 @@
 
 It serves one or more frontends ("clients": API server processes with --api-server-count N; client i owns the
 i-th input and output address). Frames from a frontend (its PUSH -> our PULL, fair-queued over all clients):
-`[EngineCoreRequestType.value, payload]` with payload an encoded EngineCoreRequest (ADD), a list of request ids
-(ABORT) or `(method, args)` (UTILITY). Frames to a frontend (our PUSH -> its PULL): `[kind, payload]` with kind
+`[EngineCoreRequestType.value, payload]` with payload an encoded EngineCoreRequest (ADD), `(client index, list of
+request ids)` (ABORT) or `(method, args)` (UTILITY). Frames to a frontend (our PUSH -> its PULL): `[kind, payload]` with kind
 one of:
 - `READY`: sent once to every client after the model loaded and the KV cache was allocated; payload
   `{"num_gpu_blocks": n, "pid": pid}`;
@@ -16,7 +16,8 @@ Invariants:
   blocks are used again; after an abort that left the core idle, one stats-only output reports the new KV usage.
 - With several clients, each request's outputs go to the client named by its `client_index` and only there;
   scheduler stats go to every client. An ADD whose request id is already running (two API servers given the
-  same id) is refused with an ABORT-finished output to its own client; the running request is untouched.
+  same id) is refused with an ABORT-finished output to its own client; the running request is untouched, also
+  by an ABORT of that id from the refused client (a client aborts only its own requests).
 - The loop ends when the parent process is gone (checked while idle), on SIGTERM/SIGINT, or on SHUTDOWN.
 """
 
@@ -62,8 +63,10 @@ class EngineCoreProc:
         for address in input_addresses:
             self.input_socket.connect(address)
         self.output_sockets = [_connect_push(self.ctx, address) for address in output_addresses]
-        # Several clients only: request id -> the client its outputs go to (dropped when it finishes).
+        # Several clients only: request id -> the client its outputs go to (dropped when it finishes), and the
+        # same for requests aborted but not yet reported finished.
         self.client_of: dict[str, int] = {}
+        self.aborted_client: dict[str, int] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.input_socket, zmq.POLLIN)
         self.encoder = MsgpackEncoder()
@@ -88,14 +91,13 @@ class EngineCoreProc:
         out_client = []  # per output: its client, and its index in that client's group
         out_slot = []
         for output in outputs.outputs:
-            client = self.client_of.pop(output.request_id, 0) if output.finished else \
-                self.client_of.get(output.request_id, 0)
+            client = self._owner(output.request_id, output.finished)
             out_client.append(client)
             out_slot.append(len(groups[client]))
             groups[client].append(output)
         finished: list[set[str]] = [set() for _ in self.output_sockets]
         for req_id in outputs.finished_requests or ():
-            finished[self.client_of.pop(req_id, 0)].add(req_id)
+            finished[self._owner(req_id, True)].add(req_id)
         # Each client's share of the step-level rows, renumbered to its own outputs.
         out_client_np, out_slot_np = np.array(out_client, dtype=np.int64), np.array(out_slot, dtype=np.int64)
         shares: list[dict[str, Any]] = [{} for _ in self.output_sockets]
@@ -114,6 +116,16 @@ class EngineCoreProc:
                                                      finished_requests=finished[client] or None,
                                                      **shares[client]), client)
 
+    def _owner(self, req_id: str, done: bool) -> int:
+        """The client of `req_id`'s outputs; forgotten once `done`."""
+        client = self.client_of.get(req_id)
+        if client is None:
+            client = self.aborted_client.get(req_id, 0)
+        if done:
+            self.client_of.pop(req_id, None)
+            self.aborted_client.pop(req_id, None)
+        return client
+
     def _handle_input(self, frames: list[bytes]) -> bool:
         """Apply one input message; True when it was an abort (KV usage may have changed)."""
         request_type, payload = EngineCoreRequestType(frames[0]), frames[1]
@@ -130,10 +142,13 @@ class EngineCoreProc:
             self.engine_core.add_request(request)
             return False
         if request_type == EngineCoreRequestType.ABORT:
-            request_ids = list(self.generic_decoder.decode(payload))
-            for req_id in request_ids:
-                self.client_of.pop(req_id, None)
-            self.engine_core.abort_requests(request_ids)
+            sender, request_ids = self.generic_decoder.decode(payload)
+            if len(self.output_sockets) > 1:
+                # NOTE: only the sender's own requests: an id it was refused may be running for another client.
+                request_ids = [r for r in request_ids if self.client_of.get(r) == sender]
+                for req_id in request_ids:
+                    self.aborted_client[req_id] = self.client_of.pop(req_id)
+            self.engine_core.abort_requests(list(request_ids))
             return True
         method, _args = self.generic_decoder.decode(payload)
         if method == "shutdown":

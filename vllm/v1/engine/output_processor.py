@@ -170,6 +170,12 @@ class RequestState:
                                    "their sampling masks after sending masks before.")
             return
         masks = new_mask.rows()
+        # NOTE: the rows are views of the step's message (with several API servers, of a span of the whole
+        # step): a request that keeps its masks until it finishes copies its own rows, so that it does not keep
+        # every step's message alive; a streamed (DELTA) request hands them on at once.
+        keep = self.output_kind != RequestOutputKind.DELTA
+        if keep:
+            masks = [m.copy() for m in masks]
         if len(masks) != num_new:
             raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens with "
                                f"{len(masks)} sampling masks.")
@@ -187,7 +193,8 @@ class RequestState:
         elif first or self.sampling_mask_texts is not None:
             if self.sampling_mask_texts is None:
                 self.sampling_mask_texts = []
-            self.sampling_mask_texts.extend(new_text.rows()[:num_kept])
+            texts = new_text.rows()[:num_kept]
+            self.sampling_mask_texts.extend([t.copy() for t in texts] if keep else texts)
 
     def make_completion_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                                stop_reason: int | str | None) -> CompletionOutput | None:

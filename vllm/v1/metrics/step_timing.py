@@ -25,6 +25,7 @@ class StepTimer:
         self.since = time.perf_counter()
 
     def add(self, phase: str, seconds: float) -> None:
+        # NOTE: the output thread adds too, without a lock: a value may land in the next report's window.
         self.totals[phase] += seconds
 
     def count_step(self, rows: int) -> None:
