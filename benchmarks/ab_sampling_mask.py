@@ -1,9 +1,11 @@
 """Serving A/B of the sampling mask: "no mask", "mask" and "pre-change mask path" side by side in one run.
 
 For each arm, starts `vllm serve MODEL --load-format dummy --skip-tokenizer-init --max-num-seqs 1024
---logprobs-mode processed_logprobs --api-server-count 4 [--return-sampling-mask]` on a free port (arm pre-change: the mask with
-VLLM_SAMPLING_MASK_LEGACY_PATH=1), waits for /health, runs benchmarks/benchmark_serving.py's load at each
-concurrency, and stops the server. Writes ab_sampling_mask.{json,md,png} and server_<arm>.log into --out-dir.
+--logprobs-mode processed_logprobs --api-server-count 4 [--return-sampling-mask]` on a free port (arm
+pre-change: the mask with VLLM_SAMPLING_MASK_LEGACY_PATH=1), waits for /health, runs
+benchmarks/benchmark_serving.py's load at each concurrency, and stops the server. Writes
+ab_sampling_mask.{json,md,png} and server_<arm>.log into --out-dir; with VLLM_ENGINE_STEP_TIMING=1 the engine
+core's step-timing windows go into the JSON, and each arm's busiest window into the markdown.
 
 One command on the GPU machine (the server stack's wheels in /tmp/site):
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/ab_sampling_mask.py --out-dir out/ab
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -162,7 +165,37 @@ def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float) -> dict[str
     finally:
         stop_server(proc)
         log(f"{arm}: server stopped ({time.monotonic() - t0:.0f}s for the arm)")
+        result["step_timing"] = parse_step_timing(log_path)
     return result
+
+
+_TIMING_RE = re.compile(r"Engine step timing: ([\d.]+) steps/s, (\d+) rows/step, ms/step: (.*?); host busy (\d+)%")
+
+
+def parse_step_timing(log_path: str) -> list[dict[str, float]]:
+    """The engine core's step-timing windows from a server log (VLLM_ENGINE_STEP_TIMING=1; none without it):
+    steps/s, rows/step, host busy % and ms per step of each phase."""
+    windows = []
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                m = _TIMING_RE.search(line)
+                if m is None:
+                    continue
+                window = {"steps_per_s": float(m.group(1)), "rows": float(m.group(2)),
+                          "host_busy_pct": float(m.group(4))}
+                parts = m.group(3).split()
+                window.update({name: float(value) for name, value in zip(parts[::2], parts[1::2])})
+                windows.append(window)
+    except OSError:
+        pass
+    return windows
+
+
+def _busiest(arm: dict[str, Any]) -> dict[str, float] | None:
+    """The arm's step-timing window with the most rows per step (steady decode at the top concurrency)."""
+    windows = [w for w in arm.get("step_timing") or [] if w["steps_per_s"] > 0]
+    return max(windows, key=lambda w: (w["rows"], w["steps_per_s"])) if windows else None
 
 
 def _level(arm: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
@@ -200,6 +233,18 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
         no_mask = _level(by_name["no-mask"], c) if ratio_arms else None
         ratios = "".join(f" {_ratio(_level(by_name[n], c), no_mask)} |" for n in ratio_arms)
         lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
+    busiest = [(a["arm"], _busiest(a)) for a in arms]
+    if any(w is not None for _, w in busiest):
+        lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "
+                      "ms per step:", "",
+                  "| arm | rows | steps/s | schedule | launch | wait | update | send | host busy |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, w in busiest:
+            if w is not None:
+                lines.append(f"| {name} | {w['rows']:.0f} | {w['steps_per_s']:.1f} | "
+                             + " | ".join(f"{w.get(k, 0.0):.2f}" for k in ("schedule", "launch", "wait", "update",
+                                                                           "send"))
+                             + f" | {w['host_busy_pct']:.0f}% |")
     for a in arms:
         if a["error"]:
             lines.append(f"\n{a['arm']} failed: {a['error']}")

@@ -1,0 +1,36 @@
+"""benchmarks/ab_sampling_mask.py's reading of the engine core's step-timing log lines and its markdown table."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+import ab_sampling_mask as ab  # noqa: E402
+
+# Two lines as the engine core writes them (from an H200 run), between other log lines.
+LOG = """INFO 2026-12-03 07:17:20,001 vllm.v1.worker.worker: KV cache: 32767 blocks of 16 tokens (1.00 GiB)
+INFO 2026-12-03 07:18:01,000 vllm.v1.engine.core_proc: Engine step timing: 177.1 steps/s, 63 rows/step, ms/step: \
+inputs 0.02 schedule 0.07 launch 3.01 wait 2.25 update 0.12 send 0.17 out.event 5.41 out.lists 0.02; host busy 60%
+INFO:     127.0.0.1:33396 - "POST /v1/completions HTTP/1.1" 200 OK
+INFO 2026-12-03 07:18:05,000 vllm.v1.engine.core_proc: Engine step timing: 62.8 steps/s, 947 rows/step, ms/step: \
+inputs 0.02 schedule 0.87 launch 3.78 wait 8.85 update 1.82 send 0.47 out.event 14.31 out.lists 0.93; host busy 44%
+"""
+
+
+def test_step_timing_windows_are_parsed_and_the_busiest_is_tabled(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "server_mask.log"
+    path.write_text(LOG)
+    windows = ab.parse_step_timing(str(path))
+    assert len(windows) == 2
+    assert windows[0] == {"steps_per_s": 177.1, "rows": 63.0, "host_busy_pct": 60.0, "inputs": 0.02,
+                          "schedule": 0.07, "launch": 3.01, "wait": 2.25, "update": 0.12, "send": 0.17,
+                          "out.event": 5.41, "out.lists": 0.02}
+    assert windows[1]["rows"] == 947 and windows[1]["wait"] == 8.85
+    assert ab.parse_step_timing(str(tmp_path / "missing.log")) == []
+
+    arm = {"arm": "mask", "error": None, "levels": [], "step_timing": windows}
+    text = ab.markdown([arm], [64])
+    assert "| mask | 947 | 62.8 | 0.87 | 3.78 | 8.85 | 1.82 | 0.47 | 44% |" in text
+    assert "step timing" not in ab.markdown([{**arm, "step_timing": []}], [64])
