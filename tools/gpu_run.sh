@@ -44,7 +44,7 @@ for s in $stages; do
       rm -rf "$OUT"/serveprof/prof ;;
     topk) [ -f benchmarks/kernels/benchmark_topk_select.py ] && python3 benchmarks/kernels/benchmark_topk_select.py \
         --out "$OUT/topk_bench.json" 2>&1 | tee "$OUT/topk_bench.txt" ;;
-    ab) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
+    ab) VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
   esac
 done
 [ -n "${sampler:-}" ] && kill "$sampler"
