@@ -134,7 +134,7 @@ class StepLogprobs(NamedTuple):
 
     def select(self, rows: np.ndarray, out_index: np.ndarray) -> StepLogprobs:
         """The rows `rows`, renumbered to the outputs `out_index` (one client's share of the step)."""
-        return StepLogprobs(self.lists, out_index, self.first_pos[rows], self.num_pos[rows])
+        return self._replace(out_index=out_index, first_pos=self.first_pos[rows], num_pos=self.num_pos[rows])
 
     def materialize(self, outputs: list) -> None:
         """Give each output its own LogprobsLists slice (new_logprobs), as the scheduler did."""
@@ -183,9 +183,7 @@ class StepMasks(NamedTuple):
         base, top = int(lo.min()), int(hi.max())
         return lo - base, hi - lo, data[base:top]
 
-    def select(self, rows: np.ndarray, out_index: np.ndarray) -> StepMasks:
-        """The rows `rows`, renumbered to the outputs `out_index` (one client's share of the step)."""
-        return StepMasks(self.masks, self.texts, out_index, self.first_pos[rows], self.num_pos[rows])
+    select = StepLogprobs.select
 
     def materialize(self, outputs: list) -> None:
         """Give each output its own slice (new_sampling_mask / new_sampling_mask_text), as the scheduler did."""

@@ -187,3 +187,21 @@ def test_cuda_staged_copy_lists_survive_the_slot_reuse() -> None:
         rows = [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])]
         assert rows == [w.tolist() for w in want]
         assert [bytes(t) for t in texts.rows()] == [("[" + ",".join(map(str, r)) + "]").encode() for r in rows]
+
+
+def test_host_staging_slot_reuses_and_grows_its_buffers() -> None:
+    """HostStagingSlot (unpinned here, so on CPU): a copy comes back with the source's dtype, shape and values;
+    a smaller copy under the same name reuses the buffer, a larger one grows it; names do not share buffers."""
+    from vllm.v1.sample.sampling_mask import HostStagingSlot
+    slot = HostStagingSlot(pin=False)
+    a = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    got = slot.copy(a, "x")
+    assert got.dtype == torch.int64 and got.shape == (3, 4) and torch.equal(got, a)
+    f = torch.tensor([0.5, -1.25], dtype=torch.float32)
+    assert torch.equal(slot.copy(f, "y"), f)
+    small = slot.copy(torch.tensor([7, 8], dtype=torch.int32), "x")
+    assert small.data_ptr() == got.data_ptr() and small.tolist() == [7, 8]
+    big = torch.arange(100_000, dtype=torch.int32)
+    grown = slot.copy(big, "x")
+    assert torch.equal(grown, big)
+    assert torch.equal(slot.copy(f, "y"), f)  # "y" untouched by "x" growing

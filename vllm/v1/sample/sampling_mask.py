@@ -174,7 +174,7 @@ class SamplingMaskTensors(NamedTuple):
         device = self.counts.device
         stream = _copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        copy = _pinned_copy if staging is None else staging.copy
+        copy = (lambda t, _name: _pinned_copy(t)) if staging is None else staging.copy
         with torch.cuda.stream(stream):
             # NOTE: the ids leave the device packed row after row (what the host's CSR is), so the output thread
             # only cuts them; rows past K contribute nothing here and are filled from the bitmask.
@@ -225,10 +225,7 @@ class SamplingMaskCopy:
     def tolists(self) -> SamplingMaskLists:
         """Wait for the copy and build the CSR; gathers device bitmask rows only for overflow rows."""
         self.wait()
-        lists = _tolists(self.tensors, self.stream, self.packed_ids)
-        if self.staged:
-            lists = SamplingMaskLists(lists.token_ids.copy(), lists.offsets, None)
-        return lists
+        return _tolists(self.tensors, self.stream, self.packed_ids, copy_out=self.staged)
 
     def text_lists(self, lists: SamplingMaskLists) -> SamplingMaskText | None:
         """The rows of `lists` (this copy's `tolists()`) as JSON text; None without `with_text`. Rows whose
@@ -266,21 +263,23 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _copy_streams[device]
 
 
-def _pinned_copy(src: torch.Tensor, name: str = "") -> torch.Tensor:
+def _pinned_copy(src: torch.Tensor) -> torch.Tensor:
     dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
     dst.copy_(src, non_blocking=True)
     return dst
 
 
 class HostStagingSlot:
-    """Pinned host buffers, one per name, reused from step to step and grown when a step needs more.
+    """Host buffers (pinned unless `pin=False`), one per name, reused from step to step and grown when a step
+    needs more; the async output copier's staging for everything a step copies to the host.
 
     NOTE: a fresh pinned tensor per step and per buffer (several MB at 1024 rows) goes through CUDA's caching
     host allocator on the engine's main thread, and pins new memory whenever no cached block is free yet. The
     owner (AsyncOutputCopier) keeps one slot per step in flight and reuses a slot only after the step that used
     it has been turned into lists, which copy out of it (SamplingMaskCopy.staged)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = True) -> None:
+        self.pin = pin
         self._buffers: dict[str, torch.Tensor] = {}
 
     def copy(self, src: torch.Tensor, name: str) -> torch.Tensor:
@@ -288,7 +287,7 @@ class HostStagingSlot:
         nbytes = src.numel() * src.element_size()
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1 << 16) * 5 // 4, dtype=torch.uint8, pin_memory=True)
+            buf = torch.empty(max(nbytes, 1 << 16) * 5 // 4, dtype=torch.uint8, pin_memory=self.pin)
             self._buffers[name] = buf
         dst = buf[:nbytes].view(src.dtype).view(src.shape)
         dst.copy_(src, non_blocking=True)
@@ -317,9 +316,10 @@ def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
 
 
 def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None,
-             packed_ids: torch.Tensor | None = None) -> SamplingMaskLists:
+             packed_ids: torch.Tensor | None = None, copy_out: bool = False) -> SamplingMaskLists:
     """The step's CSR. `packed_ids` (host, see SamplingMaskCopy) spares the [num_reqs, K] boolean gather, which
-    holds the GIL ~1 ms per 1024-row step on the output thread while the engine's main thread waits for it."""
+    holds the GIL ~1 ms per 1024-row step on the output thread while the engine's main thread waits for it.
+    `copy_out`: packed_ids is a staging buffer that a later step reuses, so the ids must not be a view of it."""
     counts = mask.counts.cpu().numpy().astype(np.int64)  # [num_reqs]
     num_kept = mask.token_ids.shape[1]
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)  # [num_reqs + 1]
@@ -332,8 +332,8 @@ def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None,
         compact_cols = np.arange(num_kept)[None, :] < np.where(overflow, 0, counts)[:, None]  # [num_reqs, K]
         compact = token_ids[compact_cols]
     if not overflow.any():
-        # NOTE: with packed_ids, a view of this step's pinned buffer (allocated per step, kept alive by the view).
-        return SamplingMaskLists(compact.astype(np.int32, copy=False), offsets, None)
+        # NOTE: without copy_out, a view of this step's pinned buffer (allocated per step, kept alive by the view).
+        return SamplingMaskLists(compact.astype(np.int32, copy=copy_out), offsets, None)
     out = np.empty(int(offsets[-1]), dtype=np.int32)
     out[np.repeat(~overflow, counts)] = compact
     rows = np.flatnonzero(overflow)

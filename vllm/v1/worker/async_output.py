@@ -6,9 +6,9 @@ starts the sampling mask's own non-blocking copy, and hands the list building to
 caller gets an AsyncModelRunnerOutput at once; `get_output()` blocks until the lists are ready.
 
 Invariants:
-- Host buffers are pinned and preallocated (the sampling masks' grown on demand), in two slots used
-  alternately: a slot is reused two steps later, after the engine has called `get_output()` of the step that
-  used it (the batch queue is two deep), and the lists built from a slot are copies, never views of it.
+- Host buffers are pinned and reused (HostStagingSlot, grown on demand), in two slots used alternately: a slot
+  is reused two steps later, after the engine has called `get_output()` of the step that used it (the batch
+  queue is two deep), and the lists built from a slot are copies, never views of it.
 - The device tensors stay referenced until `get_output()` returned, so the allocator cannot reuse their memory
   before the side-stream copies read it.
 - On CPU there are no streams: the lists are built from the tensors themselves, in the thread when asked.
@@ -55,37 +55,16 @@ class AsyncModelRunnerOutput:
         return self._output
 
 
-class _HostSlot:
-    def __init__(self, max_num_reqs: int, max_logprob_cols: int, pin: bool) -> None:
-        n = max_num_reqs * max_logprob_cols
-        self.sampled = torch.empty(max_num_reqs, dtype=torch.int64, pin_memory=pin)
-        self.logprob_token_ids = torch.empty(n, dtype=torch.int32, pin_memory=pin)
-        self.logprobs = torch.empty(n, dtype=torch.float32, pin_memory=pin)
-        self.ranks = torch.empty(max_num_reqs, dtype=torch.int32, pin_memory=pin)
-        self.event = torch.cuda.Event() if pin else None
-
-
-def _copy_to_host(host: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """Non-blocking copy of `src` into the front of the flat pinned `host` (a fresh pinned tensor if too small)."""
-    if src.numel() <= host.numel() and src.dtype == host.dtype:
-        dst = host[:src.numel()].view(src.shape)
-    else:
-        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-    dst.copy_(src, non_blocking=True)
-    return dst
-
-
 class AsyncOutputCopier:
-    def __init__(self, device: torch.device, max_num_reqs: int, max_num_logprobs: int, use_thread: bool,
-                 mask_text: bool = False) -> None:
+    def __init__(self, device: torch.device, use_thread: bool, mask_text: bool = False) -> None:
         self.device = device
         # Also turn the sampling masks into JSON text (on the copy stream), for the API server.
         self.mask_text = mask_text
         on_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if on_cuda else None
-        self._slots = [_HostSlot(max_num_reqs, max_num_logprobs + 1, on_cuda) for _ in range(2)] if on_cuda else []
-        # Pinned buffers of the sampling masks' copies, alternating like _slots.
-        self._mask_staging = [HostStagingSlot() for _ in range(2)] if on_cuda else []
+        # Two pinned staging slots (sampled ids, logprobs, sampling masks) and their copies' events, alternating.
+        self._slots = [HostStagingSlot() for _ in range(2)] if on_cuda else []
+        self._events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
         self._next_slot = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-output") if use_thread else None
         # The engine core's StepTimer (vllm/v1/metrics/step_timing.py), when it has one.
@@ -98,22 +77,19 @@ class AsyncOutputCopier:
         `on_ready(sampled_np)` runs in the caller's thread when `get_output()` first returns."""
         event = None
         host_sampled, host_logprobs = sampled, logprobs
-        staging = None
+        slot = None
         if self.copy_stream is not None:
-            slot = self._slots[self._next_slot]
-            staging = self._mask_staging[self._next_slot]
+            slot, event = self._slots[self._next_slot], self._events[self._next_slot]
             self._next_slot ^= 1
             compute = torch.cuda.current_stream(self.device)
             self.copy_stream.wait_stream(compute)
             with torch.cuda.stream(self.copy_stream):
-                host_sampled = _copy_to_host(slot.sampled, sampled)
+                host_sampled = slot.copy(sampled, "sampled")
                 if logprobs is not None:
-                    host_logprobs = type(logprobs)(_copy_to_host(slot.logprob_token_ids, logprobs[0]),
-                                                   _copy_to_host(slot.logprobs, logprobs[1]),
-                                                   _copy_to_host(slot.ranks, logprobs[2]))
-                event = slot.event
+                    host_logprobs = type(logprobs)(*(slot.copy(t, name) for t, name in
+                                                     zip(logprobs, ("lp_token_ids", "lp_values", "lp_ranks"))))
                 event.record(self.copy_stream)
-        mask_copy = (sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=staging)
+        mask_copy = (sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=slot)
                      if sampling_mask is not None else None)
         args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy, self.timer)
         keep_alive = (sampled, logprobs, sampling_mask)

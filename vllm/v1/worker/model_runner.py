@@ -76,8 +76,7 @@ class ModelRunner:
         # NOTE: tests set this to run decode steps padded exactly as for a CUDA graph, but eagerly (e.g. on CPU).
         self.pad_eager_decode = False
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
-        self.output_copier = AsyncOutputCopier(self.device, self.max_num_reqs, mc.max_logprobs,
-                                               use_thread=self.async_scheduling,
+        self.output_copier = AsyncOutputCopier(self.device, use_thread=self.async_scheduling,
                                                mask_text=mc.return_sampling_mask and mc.sampling_mask_text)
         # [num_reqs of the previous sampling step] int64, on the device
         self._prev_sampled: torch.Tensor | None = None
