@@ -23,6 +23,7 @@ for s in $stages; do
     async) python3 tools/gpu_async_check.py 2>&1 | grep -v Warning | tee "$OUT/async_check.txt" ;;
     graphs) python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_cudagraph.py 2>&1 | tail -3 | tee "$OUT/graph_tests.txt" ;;
     profile) python3 tools/gpu_profile_step.py --num-prompts 512 --output-len 96 2>&1 | grep -v Warning | tee "$OUT/profile.txt" ;;
+    kprof) python3 tools/gpu_kernel_profile.py ${KPROF_ARGS:-} --out "$OUT" 2>&1 | grep -v -e Warning -e USDT | tee "$OUT/kernel_profile.txt" ;;
     hostprof) python3 tools/gpu_profile_step.py --cprofile --num-prompts 512 --output-len 64 2>&1 | grep -v Warning | tee "$OUT/host_profile.txt" ;;
     sampler) python3 benchmarks/kernels/benchmark_sampler.py --out "$OUT/sampler_bench.json" 2>&1 | tee "$OUT/sampler_bench.txt" ;;
     backend) python3 tools/gpu_backend_check.py 2>&1 | grep -v Warning | tee "$OUT/backend_check.txt" ;;
