@@ -38,6 +38,9 @@ _VARS = {
     # Performance work only: the engine-core process logs where its time goes per step every 5 s
     # (vllm/v1/metrics/step_timing.py).
     "VLLM_ENGINE_STEP_TIMING": lambda: _bool("VLLM_ENGINE_STEP_TIMING", False),
+    # Capture the LM head + sampler of graphed decode steps as CUDA graphs (vllm/v1/worker/cudagraph.py); 0 runs
+    # them eagerly (for comparisons).
+    "VLLM_SAMPLER_CUDA_GRAPH": lambda: _bool("VLLM_SAMPLER_CUDA_GRAPH", True),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
 }

@@ -75,3 +75,35 @@ def test_row_and_chunked_impls_agree() -> None:
     for r, n in enumerate(row.counts.tolist()):
         assert torch.equal(row.token_ids[r, :min(n, 40)], chunked.token_ids[r, :min(n, 40)])
     assert row.tolists().token_ids.tolist() == chunked.tolists().token_ids.tolist()
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_compact_candidates_matches_reference(use_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path's candidate compaction (kernel: compiled on CUDA or interpreted; torch ops on CPU without the
+    interpreter) against a numpy reference: kept = value > -inf (NaN and -inf removed), ids in order, rows whose
+    mask is not wanted empty, K smaller than some rows' support."""
+    import triton
+
+    from vllm.v1.sample.ops.mask_compaction import compact_candidates
+    if not use_kernel:
+        if DEVICE == "cuda":
+            pytest.skip("the torch branch runs only on CPU tensors")
+        monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    rng = np.random.default_rng(3)
+    num_reqs, num_cand, num_kept = 6, 37, 20
+    values = rng.standard_normal((num_reqs, num_cand)).astype(np.float32)
+    values[rng.random((num_reqs, num_cand)) < 0.4] = -np.inf
+    values[0, 3] = np.nan
+    values[1] = -np.inf  # nothing kept
+    values[2, :] = 1.0  # every candidate kept: more than K
+    ids = np.sort(rng.choice(1000, size=(num_reqs, num_cand)), axis=1).astype(np.int32)
+    mask_rows = np.array([1, 1, 1, 0, 1, 1], dtype=np.int32)
+    token_ids, counts = compact_candidates(torch.from_numpy(values).to(DEVICE), torch.from_numpy(ids).to(DEVICE),
+                                           torch.from_numpy(mask_rows).to(DEVICE), num_kept)
+    token_ids, counts = token_ids.cpu().numpy(), counts.cpu().numpy()
+    for r in range(num_reqs):
+        kept = ids[r][values[r] > -np.inf] if mask_rows[r] else ids[r][:0]
+        assert counts[r] == len(kept)
+        n = min(len(kept), num_kept)
+        assert token_ids[r, :n].tolist() == kept[:n].tolist()
+    assert counts[2] == num_cand and counts[3] == 0 and counts[1] == 0

@@ -65,7 +65,7 @@ def test_copy_text_lists_match_the_lists_including_overflow_rows() -> None:
 def test_kernels_match_the_torch_formatter() -> None:
     """json_rows_packed (Triton, interpreted on CPU) gives the bytes and lengths of format_json_rows +
     pack_rows (torch), including overflow rows, ids of 7 and 8 digits (8: left to the host) and K = 1."""
-    from vllm.v1.sample.ops.mask_json import format_json_rows, json_rows_packed, pack_rows
+    from vllm.v1.sample.ops.mask_json import format_json_rows, json_rows_packed, pack_rows_torch
 
     rng = np.random.default_rng(2)
     for num_kept in (1, 5, 37):
@@ -80,7 +80,7 @@ def test_kernels_match_the_torch_formatter() -> None:
         ids_t, counts_t = torch.from_numpy(token_ids).to(DEVICE), torch.tensor(counts, dtype=torch.int32).to(DEVICE)
         text, lengths = json_rows_packed(ids_t, counts_t)
         ref_text, ref_lengths = format_json_rows(ids_t, counts_t)
-        ref_packed = pack_rows(ref_text, ref_lengths)
+        ref_packed = pack_rows_torch(ref_text, ref_lengths)
         assert lengths.tolist() == ref_lengths.tolist()
         total = int(lengths.clamp(min=0).sum())
         assert text[:total].tolist() == ref_packed[:total].tolist()
@@ -91,3 +91,16 @@ def test_kernels_match_the_torch_formatter() -> None:
                 continue
             assert text[pos:pos + n].cpu().numpy().tobytes() == json.dumps(r, separators=(",", ":")).encode()
             pos += n
+
+
+def test_pack_rows_kernel_matches_torch() -> None:
+    """pack_rows (one Triton launch; interpreted on CPU) == pack_rows_torch == a hand-packed reference, with empty
+    rows, negative lengths and lengths past the width (rows past K) taking no room."""
+    from vllm.v1.sample.ops.mask_json import pack_rows, pack_rows_torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    values = torch.arange(5 * 7, dtype=torch.int32).reshape(5, 7)
+    lengths = torch.tensor([3, 0, -1, 8, 7], dtype=torch.int32)
+    want = [0, 1, 2] + list(range(28, 35))
+    for fn in (pack_rows, pack_rows_torch):
+        got = fn(values.to(device), lengths.to(device)).cpu()
+        assert got.shape == (35,) and got[:10].tolist() == want

@@ -1,6 +1,7 @@
 """Decode padding for CUDA graphs: a padded decode step gives the real rows the logits of the unpadded step
 (torch backend and the Triton kernel with a fixed split count, on CPU), and on CUDA a replayed graph gives the
-logits of the eager forward."""
+logits of the eager forward. The padded sampler (what the sampler graph runs: all B rows, neutral padding rows)
+gives the real rows the unpadded sampler's tokens, logprobs and masks, eagerly on CPU and as graphs on CUDA."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.layer import set_attn_backend
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.worker.cudagraph import CudaGraphManager, resolve_capture_sizes
+from vllm.v1.worker.cudagraph import CudaGraphManager, SamplerGraphs, resolve_capture_sizes
 from vllm.v1.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -33,23 +34,29 @@ class _LogitsRecorder:
 
 
 def _runner(device: str, dtype: str = "float32", enforce_eager: bool = True,
-            capture_sizes: list[int] | None = None) -> tuple[ModelRunner, _LogitsRecorder]:
+            capture_sizes: list[int] | None = None, record: bool = True, **model_kwargs: Any
+            ) -> tuple[ModelRunner, _LogitsRecorder]:
     config = VllmConfig(
         model_config=ModelConfig(dtype=dtype, max_model_len=64, enforce_eager=enforce_eager,
-                                 cudagraph_capture_sizes=capture_sizes),
+                                 cudagraph_capture_sizes=capture_sizes, **model_kwargs),
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=False),
         device_config=DeviceConfig(device=device))
     runner = ModelRunner(config)
     runner.initialize_kv_cache(40)
     recorder = _LogitsRecorder(runner.sampler)
-    runner.sampler = recorder  # type: ignore[assignment]
+    if record:
+        runner.sampler = recorder  # type: ignore[assignment]
+        # NOTE: the recorder copies to the host, which a captured sampler cannot do.
+        runner.sampler_graphs = None
     return runner, recorder
 
 
-def _run_steps(runner: ModelRunner, num_reqs: int, num_decodes: int) -> list[list[int]]:
-    """Prefill the first num_reqs prompts in one step, then decode num_decodes steps; returns sampled ids."""
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+def _run_steps(runner: ModelRunner, num_reqs: int, num_decodes: int, params: SamplingParams | None = None,
+               outputs: list[Any] | None = None) -> list[list[int]]:
+    """Prefill the first num_reqs prompts in one step, then decode num_decodes steps; returns sampled ids
+    (and appends each decode step's ModelRunnerOutput to `outputs`)."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ids = [f"r{i}" for i in range(num_reqs)]
     # Request i owns blocks 4i..4i+3 (16 tokens).
     blocks = {r: list(range(4 * i, 4 * i + 4)) for i, r in enumerate(ids)}
@@ -63,6 +70,8 @@ def _run_steps(runner: ModelRunner, num_reqs: int, num_decodes: int) -> list[lis
         ids = ids[::-1]
         cached = CachedRequestData(list(ids), [[] for _ in ids], [computed[r] for r in ids])
         out = runner.execute_model(SchedulerOutput([], cached, {r: 1 for r in ids}, len(ids), set()))
+        if outputs is not None:
+            outputs.append(out)
         for r in ids:
             tokens[int(r[1:])] += out.sampled_token_ids[out.req_id_to_index[r]]
             computed[r] += 1
@@ -116,3 +125,78 @@ def test_graph_replay_matches_eager(num_reqs: int) -> None:
     assert replays == [graphs.cudagraphs.padded_size(num_reqs)] * 4
     for a, b in zip(graph_rec.logits, eager_rec.logits):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def _per_request(outputs: list[Any], num_reqs: int) -> list[list[tuple[Any, ...]]]:
+    """Each decode step's (token, logprob ids, logprob values, rank, mask ids) per request id r0..r{n-1}."""
+    steps = []
+    for out in outputs:
+        lp, masks = out.logprobs, out.sampling_masks
+        row = []
+        for i in range(num_reqs):
+            j = out.req_id_to_index[f"r{i}"]
+            mask = masks.token_ids[masks.offsets[j]:masks.offsets[j + 1]].tolist() if masks is not None else None
+            row.append((out.sampled_token_ids[j], lp.logprob_token_ids[j].tolist(), lp.logprobs[j].tolist(),
+                        int(lp.sampled_token_ranks[j]), mask))
+        steps.append(row)
+    return steps
+
+
+# top_k=1: the draw cannot matter, so tokens, logprobs and masks must match exactly at every step. top_k=4
+# with top_p: the padded sampler draws random numbers for more rows, so the tokens (and with them the later
+# steps' contexts) may differ: the first decode step's masks and top logprobs are compared, and every step's
+# token must lie in its mask.
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (4, 0.9)])
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float) -> None:
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, logprobs=1, max_tokens=16, ignore_eos=True)
+    kwargs = dict(record=False, return_sampling_mask=True, logprobs_mode="processed_logprobs")
+    ref, _ = _runner("cpu", **kwargs)
+    padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
+    padded.pad_eager_decode = True
+    padded.sampler_graphs = SamplerGraphs([2, 4], capture=False)
+    calls: list[int] = []
+    run = padded.sampler_graphs.run
+    padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
+    got: list[Any] = []
+    want: list[Any] = []
+    _run_steps(padded, num_reqs, 3, params, got)
+    _run_steps(ref, num_reqs, 3, params, want)
+    assert calls == [2 if num_reqs == 1 else 4] * 3
+    for step, (got_step, want_step) in enumerate(zip(_per_request(got, num_reqs), _per_request(want, num_reqs))):
+        for (tok, lp_ids, lp_vals, rank, mask), (w_tok, w_lp_ids, w_lp_vals, w_rank, w_mask) in zip(got_step,
+                                                                                                 want_step):
+            assert 1 <= len(mask) <= top_k and tok[0] in mask and lp_ids[0] == tok[0] and 1 <= rank <= len(mask)
+            if step == 0 or top_k == 1:
+                assert mask == w_mask and lp_ids[1] == w_lp_ids[1]
+                assert lp_vals[1] == pytest.approx(w_lp_vals[1], abs=1e-5)
+            if top_k == 1:
+                assert (tok, lp_ids, rank) == (w_tok, w_lp_ids, w_rank)
+                assert lp_vals == pytest.approx(w_lp_vals, abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (4, 0.9)])
+def test_sampler_graph_matches_eager(top_k: int, top_p: float) -> None:
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, logprobs=1, max_tokens=16, ignore_eos=True)
+    kwargs = dict(record=False, return_sampling_mask=True, logprobs_mode="processed_logprobs")
+    eager, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
+    graphs, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
+    eager.sampler_graphs = None
+    for runner in (eager, graphs):
+        runner.capture_model()
+    assert graphs.sampler_graphs is not None
+    got: list[Any] = []
+    want: list[Any] = []
+    _run_steps(graphs, 3, 4, params, got)
+    _run_steps(eager, 3, 4, params, want)
+    # Two sets of graphs, used alternately, every size captured at the key's first step.
+    assert sorted((s, size) for s, size, _ in graphs.sampler_graphs.graphs) == [(s, b) for s in (0, 1)
+                                                                                  for b in (1, 2, 4, 8)]
+    for step, (got_step, want_step) in enumerate(zip(_per_request(got, 3), _per_request(want, 3))):
+        for (tok, lp_ids, lp_vals, rank, mask), (w_tok, w_lp_ids, _, _, w_mask) in zip(got_step, want_step):
+            assert 1 <= len(mask) <= top_k and tok[0] in mask
+            if step == 0 or top_k == 1:
+                assert mask == w_mask and lp_ids[1] == w_lp_ids[1]
+            if top_k == 1:
+                assert tok == w_tok

@@ -31,6 +31,7 @@ import torch
 from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.ops.logprobs import gather_logprobs
+from vllm.v1.sample.ops.mask_compaction import compact_candidates
 from vllm.v1.sample.ops.topk_select import select_top_k_candidates
 from vllm.v1.sample.ops.topk_topp import SAMPLING_EPS, process_logits, top_p_cut_value
 from vllm.v1.sample.sampling_mask import MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask
@@ -94,7 +95,7 @@ def sample_fast(logits: torch.Tensor, md: SamplingMetadata, logprobs_mode: str,
 
     mask = None
     if md.sampling_mask_rows is not None:
-        mask = _candidate_mask(vals > _NEG_INF, ids, md.sampling_mask_rows.to(device), vocab_size)
+        mask = _candidate_mask(vals, ids, md.sampling_mask_rows, vocab_size)
     _general_rows(logits, md, logprobs_mode, raw_values, fallback, seeded_draws, sampled, logprobs, mask)
     return sampled, logprobs, mask
 
@@ -152,35 +153,30 @@ def _candidate_logprobs(values: torch.Tensor, ids: torch.Tensor, tok_slot: torch
     return LogprobsTensors(token_ids.to(torch.int32), sampled_values.to(torch.float32), ranks.to(torch.int32))
 
 
-def _candidate_mask(kept: torch.Tensor, ids: torch.Tensor, mask_rows: torch.Tensor,
+def _candidate_mask(vals: torch.Tensor, ids: torch.Tensor, mask_rows: torch.Tensor,
                     vocab_size: int) -> SamplingMaskTensors:
-    """The support is the kept candidates, already ascending: compact them into [num_reqs, K]."""
-    num_reqs = kept.shape[0]
+    """The support is the kept candidates (vals > -inf), already ascending: compact them into [num_reqs, K]."""
+    num_reqs = vals.shape[0]
     # NOTE: K is the candidate width C (max_top_k plus the tie slack), not max_top_k: every kept id is a
     # candidate, so boundary ties never overflow to the bitmask on this path (beyond upstream, which sizes K
     # by top_k and sends every boundary tie through the bitmask).
     num_kept = min(ids.shape[1], vocab_size, MAX_COMPACT_SUPPORT)
-    kept = kept & (mask_rows > 0)[:, None]
-    slots = kept.cumsum(dim=-1) - 1  # [num_reqs, C]
-    # NOTE: column K is a sink for everything not stored; it is cut off below.
-    slots = torch.where(kept & (slots < num_kept), slots, num_kept)
-    token_ids = torch.empty((num_reqs, num_kept + 1), dtype=torch.int32, device=ids.device)
-    token_ids.scatter_(1, slots, ids)
-    counts = kept.sum(dim=-1).to(torch.int32)  # [num_reqs]
+    token_ids, counts = compact_candidates(vals, ids, mask_rows, num_kept)
     num_bytes = (vocab_size + 7) // 8
     if num_kept >= ids.shape[1]:
         # K holds every candidate, so no row overflows: the bitmask is never read (SamplingMaskTensors reads
         # only rows past K, and the general path writes whole rows for the rows it recomputes).
         packed_mask = torch.empty((num_reqs, num_bytes), dtype=torch.uint8, device=ids.device)
-        return SamplingMaskTensors(token_ids[:, :num_kept].contiguous(), packed_mask, counts, vocab_size)
+        return SamplingMaskTensors(token_ids, packed_mask, counts, vocab_size)
     # NOTE: bitmask rows only for rows past K, without a host sync: distinct bits of one int32 word add up to
     # their OR, and the little-endian bytes of word w are tokens 32w..32w+31 in little bit order.
+    kept = (vals > _NEG_INF) & (mask_rows.to(ids.device) > 0)[:, None]  # [num_reqs, C] bool
     overflow = kept & (counts > num_kept)[:, None]  # [num_reqs, C] bool
     words = torch.zeros((num_reqs, (vocab_size + 31) // 32), dtype=torch.int32, device=ids.device)
     bits = torch.where(overflow, torch.ones_like(ids) << (ids & 31), 0)  # [num_reqs, C] int32
     words.scatter_add_(1, (ids >> 5).to(torch.long), bits)
     packed_mask = words.view(torch.uint8)[:, :num_bytes]  # [num_reqs, ceil(V/8)] uint8
-    return SamplingMaskTensors(token_ids[:, :num_kept].contiguous(), packed_mask, counts, vocab_size)
+    return SamplingMaskTensors(token_ids, packed_mask, counts, vocab_size)
 
 
 def _general_rows(logits: torch.Tensor, md: SamplingMetadata, logprobs_mode: str, raw_values: torch.Tensor | None,

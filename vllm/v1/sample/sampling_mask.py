@@ -179,7 +179,7 @@ class SamplingMaskTensors(NamedTuple):
             # NOTE: the ids leave the device packed row after row (what the host's CSR is), so the output thread
             # only cuts them; rows past K contribute nothing here and are filled from the bitmask.
             num_kept = self.token_ids.shape[1]
-            packed_ids = copy(pack_rows(self.token_ids, torch.where(self.counts > num_kept, 0, self.counts)), "ids")
+            packed_ids = copy(pack_rows(self.token_ids, self.counts), "ids")
             counts = copy(self.counts, "counts")
             packed_mask = _pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
             text, text_lengths = None, None

@@ -1,8 +1,12 @@
-"""CUDA graphs for pure-decode steps: one captured model forward per batch size, replayed for smaller batches.
+"""CUDA graphs for pure-decode steps: one captured model forward per batch size, replayed for smaller batches,
+and the logits + sampler of those steps as a second graph per (size, sampling settings).
 
 A step in which every request has exactly one query token runs as the graph of the smallest captured size
-B >= num_reqs; the rows past num_reqs are padding (see input_prep.py) and their outputs are ignored. Only the
-model forward (input ids and positions -> hidden states) is captured; logits and the sampler run eagerly.
+B >= num_reqs; the rows past num_reqs are padding (see input_prep.py) and their outputs are ignored. The model
+forward (input ids and positions -> hidden states) is captured at start-up (CudaGraphManager). The LM head and
+the sampler are captured on first use (SamplerGraphs): their shapes and branches depend on the batch's sampling
+settings (top-k width, logprobs, mask), which only requests reveal; without them a decode step launches ~100
+small kernels from Python, several ms of host time per step that the device then waits for.
 
 Invariants:
 - Graphs read their inputs from the runner's persistent device buffers and write the hidden states to one
@@ -10,13 +14,19 @@ Invariants:
 - Capture happens once, after the KV cache is allocated, largest size first into one shared memory pool; each
   size is warmed up eagerly (Triton compilation, cuBLAS workspaces) before it is captured.
 - Attention's num_splits is fixed per size (it sets the grid), chosen for max_model_len.
+- Sampler graphs come in two sets with separate memory pools, used alternately step after step: a graph's
+  static outputs (sampled ids, logprobs, mask tensors) are read by the output copies and the output thread
+  after the step was launched, and the engine launches step N+2 only after step N's outputs were turned into
+  lists (the batch queue is two deep), so the set that step N+2 reuses is free by then.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -70,3 +80,55 @@ class CudaGraphManager:
         graph, output = self.graphs[size]
         graph.replay()
         return output
+
+
+class SamplerGraphs:
+    """Logits + sampler of padded decode steps as CUDA graphs, per (set, size, settings key).
+
+    `run(size, key, make_fn)` replays the graph of (next set, size, key). The first time a key is seen, every
+    size in `sizes` is captured for both sets at once (a one-time stall of a few seconds), so that a batch
+    shrinking or growing through the sizes later never stops to capture. `make_fn(size)` returns a function that
+    reads only static device tensors (the forward graph's output of that size, the persistent sampling buffers'
+    first `size` rows) and returns the sampler's output, whose tensors are then static too. `capture=False` runs
+    `make_fn(size)()` eagerly instead (tests on CPU exercise the padded metadata that way)."""
+
+    def __init__(self, sizes: list[int], capture: bool = True, max_keys: int = 8) -> None:
+        self.sizes = sorted(sizes)
+        self.capture = capture
+        self.max_keys = max_keys
+        self.graphs: dict[tuple[int, int, Hashable], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.keys: set[Hashable] = set()
+        self.pools: list[tuple[int, int]] = [torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()] \
+            if capture else []
+        self._next_set = 0
+
+    def run(self, size: int, key: Hashable, make_fn: Callable[[int], Callable[[], Any]]) -> Any | None:
+        """The outputs of this step's graph, or None when the key cannot be captured (too many keys: the caller
+        runs eagerly)."""
+        if not self.capture:
+            return make_fn(size)()
+        if key not in self.keys:
+            if len(self.keys) >= self.max_keys or size not in self.sizes:
+                return None
+            self._capture_all(key, make_fn)
+        graph, output = self.graphs[(self._next_set, size, key)]
+        self._next_set ^= 1
+        graph.replay()
+        return output
+
+    def _capture_all(self, key: Hashable, make_fn: Callable[[int], Callable[[], Any]]) -> None:
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            fn = make_fn(size)
+            # NOTE: one eager run compiles the Triton kernels and sizes the workspaces; it reads whatever the
+            # buffers' rows hold (stale rows are valid settings) and its outputs are dropped. Capture checks only
+            # this thread's CUDA calls: the output thread keeps copying and waiting meanwhile.
+            fn()
+            for graph_set in (0, 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pools[graph_set], capture_error_mode="thread_local"):
+                    output = fn()
+                self.graphs[(graph_set, size, key)] = (graph, output)
+        self.keys.add(key)
+        logger.info("Captured sampler CUDA graphs for %d sizes x 2 sets in %.1f s (settings %s)", len(self.sizes),
+                    time.perf_counter() - start, key)

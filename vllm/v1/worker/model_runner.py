@@ -6,20 +6,26 @@ of the flat batch. Only rows whose scheduled tokens reach the end of their known
 chunk produces no token, no logprobs and an empty sampling-mask row.
 
 Step shape: prepare inputs (H2D copies) -> forward (a CUDA graph for pure-decode steps, cudagraph.py) -> logits
--> sampler -> outputs start their way to the host (async_output.py). `execute_model_async` returns before the
+-> sampler (with the logits, a second CUDA graph for those steps) -> outputs start their way to the host
+(async_output.py). `execute_model_async` returns before the
 outputs are on the host; the sampled ids stay on the device and feed the next step's input ids directly, so the
 next step can be launched first.
 
 Invariants:
 - The KV cache has one block more than the scheduler knows of (index num_blocks): the scratch block that the
   padding rows of a CUDA-graph batch write to and read from.
+- A graphed decode step samples all B padded rows: the padding rows get neutral settings (temperature 1, top_k
+  = the batch's max_top_k, no top-p/min-p, no mask) and their outputs are cut off; the sampler's fallback rows
+  are chosen real rows first (stable order), so padding can never take a fallback slot from a real row.
 - A sampled token is counted in InputBatch.num_tokens when it is sampled; its value reaches token_ids_cpu when
   its step's output is read back (`get_output()`), which the engine does before it schedules two steps later.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,9 +41,11 @@ from vllm.v1.attention.selector import get_attn_backend
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.sample.fast_path import fast_path_applies
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput, AsyncOutputCopier
-from vllm.v1.worker.cudagraph import CudaGraphManager, resolve_capture_sizes
+from vllm.v1.worker.cudagraph import CudaGraphManager, SamplerGraphs, resolve_capture_sizes
 from vllm.v1.worker.input_batch import InputBatch
 from vllm.v1.worker.input_prep import InputBuffers, StepInputs
 
@@ -75,6 +83,11 @@ class ModelRunner:
                                and self.attn_backend.name == "TRITON")
         # NOTE: tests set this to run decode steps padded exactly as for a CUDA graph, but eagerly (e.g. on CPU).
         self.pad_eager_decode = False
+        # Logits + sampler of graphed decode steps (VLLM_SAMPLER_CUDA_GRAPH=0: eager); tests that wrap the sampler
+        # set it to None, or to SamplerGraphs(capture=False) to run the padded sampler eagerly.
+        self.sampler_graphs: SamplerGraphs | None = (
+            SamplerGraphs(self.cudagraphs.capture_sizes) if self.use_cuda_graph and envs.VLLM_SAMPLER_CUDA_GRAPH
+            else None)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.output_copier = AsyncOutputCopier(self.device, use_thread=self.async_scheduling,
                                                mask_text=mc.return_sampling_mask and mc.sampling_mask_text)
@@ -178,11 +191,47 @@ class ModelRunner:
         inputs = buffers.prepare(self.input_batch, so, pad_to,
                                  self._graph_num_splits(pad_to) if pad_to is not None else None)
         buffers.apply_prev_sampled(self._prev_sampled)
-        meta = self._sampling_metadata(inputs)
+        graph_rows = pad_to if pad_to is not None and self.sampler_graphs is not None else None
+        meta = self._sampling_metadata(inputs, graph_rows)
         buffers.record_copies()
+        if graph_rows is not None:
+            out = self._sample_graphed(inputs, meta, graph_rows)
+            if out is not None:
+                return self._finish_step(inputs, out)
+            meta = _narrow_metadata(meta, num_reqs)
         hidden = self._forward(inputs)  # [num_reqs, hidden_size]
         logits = self.model.compute_logits(hidden).float()  # [num_reqs, V] float32
         return self._finish_step(inputs, self.sampler(logits, meta))
+
+    def _sample_graphed(self, inputs: StepInputs, meta: SamplingMetadata, rows: int) -> SamplerOutput | None:
+        """Forward graph, then the logits + sampler graph over all `rows` padded rows; None when this step's
+        settings cannot be graphed (seeded rows, the general path, the pre-change mask path)."""
+        assert self.sampler_graphs is not None
+        legacy_mask = self.sampler.legacy_sampling_mask and meta.sampling_mask_rows is not None
+        if meta.generators or legacy_mask or not fast_path_applies(meta, self.vocab_size):
+            return None
+        if self.use_cuda_graph and rows in self.cudagraphs.graphs:
+            hidden = self.cudagraphs.replay(rows)  # [rows, hidden_size], static
+        elif self.pad_eager_decode:
+            with set_forward_context(inputs.attn_metadata, self.kv_caches):
+                hidden = self.model(inputs.input_ids, inputs.positions)
+        else:
+            return None
+        key = (meta.all_greedy, meta.all_random, meta.temperature is None, meta.top_p is None, meta.min_p is None,
+               meta.max_num_logprobs, meta.max_top_k, meta.sampling_mask_rows is None)
+
+        def make_fn(size: int) -> Callable[[], SamplerOutput]:
+            # NOTE: what a graph of `size` rows reads: that size's forward output and the buffers' first rows.
+            static_hidden = self.cudagraphs.graphs[size][1] if size != rows else hidden
+            static_meta = _narrow_metadata(self._padded_metadata(meta), size)
+            return lambda: self.sampler(self.model.compute_logits(static_hidden).float(), static_meta)
+
+        out = self.sampler_graphs.run(rows, key, make_fn)
+        if out is None:
+            # NOTE: the forward already ran; the eager sampler takes its rows.
+            logits = self.model.compute_logits(hidden[:inputs.num_reqs]).float()
+            return self.sampler(logits, _narrow_metadata(meta, inputs.num_reqs))
+        return _narrow_output(out, inputs.num_reqs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of each request's last scheduled token: [num_reqs, hidden_size]."""
@@ -218,7 +267,17 @@ class ModelRunner:
         ok = (rows >= 0) & (positions < self.max_model_len)
         batch.token_ids_cpu[rows[ok], positions[ok]] = sampled[sample_idx[ok]]
 
-    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+    def _padded_metadata(self, meta: SamplingMetadata) -> SamplingMetadata:
+        """`meta` over all max_num_reqs rows of the persistent buffers (what a sampler graph of any size reads)."""
+        b = self.input_buffers
+        full = lambda t, buf: None if t is None else buf.gpu  # noqa: E731
+        return SamplingMetadata(full(meta.temperature, b.temperature), meta.all_greedy, meta.all_random,
+                                full(meta.top_p, b.top_p), full(meta.top_k, b.top_k), full(meta.min_p, b.min_p),
+                                meta.generators, meta.max_num_logprobs, meta.max_top_k,
+                                full(meta.sampling_mask_rows, b.sampling_mask_rows))
+
+    def _sampling_metadata(self, inputs: StepInputs, pad_to: int | None = None) -> SamplingMetadata:
+        """The step's sampling settings; with `pad_to`, tensors of pad_to rows whose padding rows are neutral."""
         batch, buffers = self.input_batch, self.input_buffers
         rows, samples = inputs.rows, inputs.samples
         greedy = batch.greedy[rows]
@@ -228,14 +287,39 @@ class ModelRunner:
         wants_mask = batch.wants_mask[rows] & samples
         seeded = np.flatnonzero(batch.seeded[rows] & samples)
         generators = {i: batch.generators[inputs.req_ids[i]] for i in seeded.tolist()}
+        max_top_k = int(top_k.max())
+        pad = 0 if pad_to is None else pad_to - len(rows)
+
+        def tensor(buffer: Any, values: np.ndarray, neutral: float | int) -> torch.Tensor:
+            if pad:
+                values = np.concatenate([values, np.full(pad, neutral, dtype=values.dtype)])
+            return buffers.sampling_tensor(buffer, values)
+
         return SamplingMetadata(
-            temperature=None if all_greedy else buffers.sampling_tensor(buffers.temperature, batch.temperature[rows]),
+            temperature=None if all_greedy else tensor(buffers.temperature, batch.temperature[rows], 1.0),
             all_greedy=all_greedy, all_random=all_random,
-            top_p=buffers.sampling_tensor(buffers.top_p, top_p) if bool((top_p < 1.0).any()) else None,
-            top_k=buffers.sampling_tensor(buffers.top_k, top_k) if bool((top_k < self.vocab_size).any()) else None,
-            min_p=buffers.sampling_tensor(buffers.min_p, min_p) if bool((min_p > 0.0).any()) else None,
+            top_p=tensor(buffers.top_p, top_p, 1.0) if bool((top_p < 1.0).any()) else None,
+            top_k=tensor(buffers.top_k, top_k, max_top_k) if bool((top_k < self.vocab_size).any()) else None,
+            min_p=tensor(buffers.min_p, min_p, 0.0) if bool((min_p > 0.0).any()) else None,
             generators=generators,
             max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
-            max_top_k=int(top_k.max()),
-            sampling_mask_rows=buffers.sampling_tensor(buffers.sampling_mask_rows, wants_mask)
+            max_top_k=max_top_k,
+            sampling_mask_rows=tensor(buffers.sampling_mask_rows, wants_mask, False)
             if bool(wants_mask.any()) else None)
+
+
+def _narrow_metadata(meta: SamplingMetadata, n: int) -> SamplingMetadata:
+    """The first n rows of a padded SamplingMetadata."""
+    cut = lambda t: None if t is None else t[:n]  # noqa: E731
+    return SamplingMetadata(cut(meta.temperature), meta.all_greedy, meta.all_random, cut(meta.top_p),
+                            cut(meta.top_k), cut(meta.min_p), meta.generators, meta.max_num_logprobs,
+                            meta.max_top_k, cut(meta.sampling_mask_rows))
+
+
+def _narrow_output(out: SamplerOutput, n: int) -> SamplerOutput:
+    """The first n rows of a padded step's sampler output (views of the graph's static tensors)."""
+    logprobs = None if out.logprobs_tensors is None else LogprobsTensors(*(t[:n] for t in out.logprobs_tensors))
+    mask = out.sampling_mask
+    if mask is not None:
+        mask = mask._replace(token_ids=mask.token_ids[:n], packed_mask=mask.packed_mask[:n], counts=mask.counts[:n])
+    return SamplerOutput(out.sampled_token_ids[:n], logprobs, mask)

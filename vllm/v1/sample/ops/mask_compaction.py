@@ -125,3 +125,62 @@ def launch_compact(packed_mask: torch.Tensor, chunk_counts: torch.Tensor, token_
         packed_mask, packed_mask.stride(0), chunk_counts, num_chunks, token_ids, token_ids.stride(0), counts,
         vocab_size, token_ids.shape[1], CHUNK=chunk, MAX_CHUNKS=triton.next_power_of_2(num_chunks),
         num_warps=num_warps)
+
+
+@triton.jit
+def _compact_candidates_kernel(
+    values_ptr,  # [num_reqs, C] float32: -inf where the candidate was removed
+    values_stride,
+    ids_ptr,  # [num_reqs, C] int32, ascending where kept
+    ids_stride,
+    mask_rows_ptr,  # [num_reqs] int32: 0 for rows whose mask is not wanted
+    token_ids_ptr,  # [num_reqs, K] int32 out
+    token_ids_stride,
+    counts_ptr,  # [num_reqs] int32 out
+    num_cand,
+    num_kept,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    # NOTE: rows whose mask is not wanted read nothing: their valid range is empty.
+    valid = offs < tl.where(tl.load(mask_rows_ptr + row) > 0, num_cand, 0)
+    values = tl.load(values_ptr + row * values_stride + offs, mask=valid, other=float("-inf"))
+    ids = tl.load(ids_ptr + row * ids_stride + offs, mask=valid, other=0)
+    # NOTE: NaN > -inf is false, as in torch: a NaN value is not kept.
+    kept = valid & (values > float("-inf"))
+    flags = kept.to(tl.int32)
+    slots = tl.cumsum(flags, 0) - flags
+    tl.store(token_ids_ptr + row * token_ids_stride + slots, ids, mask=kept & (slots < num_kept))
+    tl.store(counts_ptr + row, tl.sum(flags, 0))
+
+
+def compact_candidates(values: torch.Tensor, ids: torch.Tensor, mask_rows: torch.Tensor, num_kept: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler fast path's support from its candidates, in one launch: values [R, C] float32 (-inf where
+    removed), ids [R, C] int32 (ascending), mask_rows [R] -> (token_ids [R, K] int32 with each row's kept ids in
+    its first min(count, K) slots, counts [R] int32). Rows whose mask_rows is 0 count 0.
+
+    Reads R x C x 8 bytes (~5 MB at 1024 rows, C = 640): a few us, against ~6 torch launches (cumsum, where,
+    scatter, sum, slice copy) it replaces on CUDA. CPU tensors outside the Triton interpreter use torch ops."""
+    num_reqs, num_cand = ids.shape
+    device = ids.device
+    token_ids = torch.empty((num_reqs, num_kept), dtype=torch.int32, device=device)
+    counts = torch.empty((num_reqs,), dtype=torch.int32, device=device)
+    mask_rows = mask_rows.to(device=device, dtype=torch.int32)
+    if num_reqs == 0:
+        return token_ids, counts
+    if ids.is_cuda or triton.knobs.runtime.interpret:
+        _compact_candidates_kernel[(num_reqs,)](
+            values, values.stride(0), ids, ids.stride(0), mask_rows, token_ids, max(token_ids.stride(0), 1), counts,
+            num_cand, num_kept, BLOCK=triton.next_power_of_2(num_cand))
+        return token_ids, counts
+    kept = (values > float("-inf")) & (mask_rows > 0)[:, None]  # [R, C] bool
+    slots = kept.cumsum(dim=-1) - 1  # [R, C]
+    # NOTE: column K is a sink for everything not stored; it is cut off below.
+    slots = torch.where(kept & (slots < num_kept), slots, num_kept)
+    sink = torch.empty((num_reqs, num_kept + 1), dtype=torch.int32, device=device)
+    sink.scatter_(1, slots, ids)
+    token_ids.copy_(sink[:, :num_kept])
+    counts.copy_(kept.sum(dim=-1))
+    return token_ids, counts

@@ -7,9 +7,10 @@ compact [num_reqs, K] ids is written on the device instead (on the mask's copy s
 bytes.
 
 - `json_rows_packed` (what the engine uses): two Triton launches, one program per row: the row's text length,
-  then (after a cumsum of the lengths) its text at its offset in one flat buffer, rows back to back.
-- `format_json_rows` / `pack_rows`: the same with torch ops, one [R, W] text per row then packed; the
-  reference of the tests and the fallback if the kernels cannot compile.
+  then its text at its offset (the sum of the lengths before it) in one flat buffer, rows back to back.
+- `format_json_rows` / `pack_rows_torch`: the same with torch ops, one [R, W] text per row then packed; the
+  reference of the tests and the fallback if the kernels cannot compile. `pack_rows` packs rows with one
+  kernel (the mask's ids use it).
 
 Invariants:
 - Row r's text is the JSON array of token_ids[r, :counts[r]], exactly as `json.dumps(ids,
@@ -73,16 +74,56 @@ def format_json_rows(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[tor
 
 def pack_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[R, W] rows -> [R * W] (same dtype) with row r's first lengths[r] values at the exclusive prefix sum of the
-    lengths before it (rows with length <= 0 take no room), so the host needs only the lengths to cut it. Used
-    for the JSON texts and for the mask's compact ids (SamplingMaskTensors.to_cpu_nonblocking)."""
+    lengths before it (rows with length <= 0 or > W take no room), so the host needs only the lengths to cut it.
+    Used for the mask's compact ids (SamplingMaskTensors.to_cpu_nonblocking: rows past K have counts > K) and
+    the JSON texts. One Triton launch on CUDA (or under the interpreter), `pack_rows_torch` otherwise."""
     num_reqs, width = values.shape
-    n = lengths.to(torch.int64).clamp(min=0)  # [R]
+    if not (values.is_cuda or triton.knobs.runtime.interpret) or num_reqs == 0 or width == 0:
+        return pack_rows_torch(values, lengths)
+    values = values.contiguous()
+    flat = torch.empty(num_reqs * width, dtype=values.dtype, device=values.device)
+    _pack_rows_kernel[(num_reqs,)](values, values.stride(0), lengths.contiguous(), flat, num_reqs, width,
+                                   BLOCK_R=triton.next_power_of_2(num_reqs), BLOCK_W=1024)
+    return flat
+
+
+def pack_rows_torch(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`pack_rows` with torch ops (CPU tensors; the reference of the tests)."""
+    num_reqs, width = values.shape
+    n = lengths.to(torch.int64)
+    n = torch.where((n < 0) | (n > width), 0, n)  # [R]
     row_start = torch.cumsum(n, dim=0) - n  # [R]
     cols = torch.arange(width, device=values.device)[None, :]
     dest = torch.where(cols < n[:, None], row_start[:, None] + cols, num_reqs * width)  # [R, W]
     flat = torch.empty(num_reqs * width + 1, dtype=values.dtype, device=values.device)
     flat.scatter_(0, dest.flatten(), values.flatten())
     return flat[:num_reqs * width]
+
+
+@triton.jit
+def _pack_rows_kernel(
+    values_ptr,  # [R, W]
+    values_stride,
+    lengths_ptr,  # [R] int
+    out_ptr,  # [R * W]
+    num_reqs,
+    width,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    row = tl.program_id(0)
+    # NOTE: each program sums the lengths before its row itself (R <= a few thousand ints, from L2), so the
+    # packing needs no separate prefix-sum launch.
+    r = tl.arange(0, BLOCK_R)
+    lengths = tl.load(lengths_ptr + r, mask=r < num_reqs, other=0).to(tl.int64)
+    lengths = tl.where((lengths < 0) | (lengths > width), 0, lengths)
+    start = tl.sum(tl.where(r < row, lengths, 0), axis=0)
+    n = tl.sum(tl.where(r == row, lengths, 0), axis=0)
+    src = values_ptr + row.to(tl.int64) * values_stride
+    for w0 in range(0, n, BLOCK_W):
+        offs = w0 + tl.arange(0, BLOCK_W)
+        keep = offs < n
+        tl.store(out_ptr + start + offs, tl.load(src + offs, mask=keep), mask=keep)
 
 
 @triton.jit
@@ -119,14 +160,19 @@ def _json_write_kernel(
     token_ids_stride,
     counts_ptr,  # [R] int32
     lengths_ptr,  # [R] int32
-    row_start_ptr,  # [R] int64: exclusive prefix of max(lengths, 0)
     text_ptr,  # [R * W] uint8 out
+    num_reqs,
     num_kept,
     BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if tl.load(lengths_ptr + row) >= 0:
-        base = tl.load(row_start_ptr + row)
+        # NOTE: the row's offset is the sum of the lengths before it (-1 counts 0), summed here from L2 instead
+        # of a separate prefix-sum launch.
+        r = tl.arange(0, BLOCK_R)
+        lengths = tl.load(lengths_ptr + r, mask=r < num_reqs, other=0).to(tl.int64)
+        base = tl.sum(tl.where((r < row) & (lengths > 0), lengths, 0), axis=0)
         n = tl.minimum(tl.load(counts_ptr + row), num_kept)
         offs = tl.arange(0, BLOCK_K)
         valid = offs < n
@@ -164,14 +210,12 @@ def json_rows_packed(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[tor
             block = triton.next_power_of_2(num_kept)
             _json_lengths_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, num_kept,
                                               BLOCK_K=block)
-            kept = lengths.to(torch.int64).clamp(min=0)
-            row_start = torch.cumsum(kept, dim=0) - kept  # [R] int64
             text = torch.empty(num_reqs * max_text_width(num_kept), dtype=torch.uint8, device=token_ids.device)
-            _json_write_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, row_start, text,
-                                            num_kept, BLOCK_K=block)
+            _json_write_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, text, num_reqs,
+                                            num_kept, BLOCK_K=block, BLOCK_R=triton.next_power_of_2(num_reqs))
             return text, lengths
         except triton.CompilationError:
             _kernels_failed = True
             logger.exception("The mask JSON kernels failed to compile; formatting with torch ops from now on.")
     text, lengths = format_json_rows(token_ids, counts)
-    return pack_rows(text, lengths), lengths
+    return pack_rows_torch(text, lengths), lengths
