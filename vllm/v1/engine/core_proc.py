@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -246,6 +247,10 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
             exit_code = 1
             return
         proc = EngineCoreProc(engine_core, input_addresses, output_addresses, parent_pid)
+        # NOTE: the start-up objects (model, graphs, buffers) move to a permanent generation, so the cyclic GC's
+        # full collections during serving do not walk them again (each one would stall a step).
+        gc.collect()
+        gc.freeze()
         proc.broadcast(READY, {"num_gpu_blocks": int(getattr(engine_core, "num_gpu_blocks", 0) or 0),
                           "pid": os.getpid()})
         with maybe_cprofile(f"engine_core_{os.getpid()}"):
