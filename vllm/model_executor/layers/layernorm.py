@@ -2,6 +2,8 @@
 
 Invariant: the statistics are computed in float32 and the result is cast back before the weight multiply,
 exactly as Hugging Face's LlamaRMSNorm does, so float32 runs match it bit for bit and bf16 runs round the same.
+On CUDA tensors one fused kernel (fused_ops.rms_norm) does the same steps with the same roundings; only the
+variance's reduction order differs.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.fused_ops import MAX_NORM_HIDDEN, rms_norm, use_fused_ops
 from vllm.model_executor.utils import default_weight_loader, set_weight_attrs
 
 
@@ -30,7 +33,18 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual).
+
+        x: [..., hidden_size]; its leading dims may be strided (Qwen3 normalises the heads of a qkv slice)."""
+        if (use_fused_ops(x) and self.hidden_size <= MAX_NORM_HIDDEN
+                and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))):
+            return rms_norm(x, self.weight, self.variance_epsilon, residual)
+        return self.forward_native(x, residual)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The torch code: CPU runs, and the reference of the fused kernel."""
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -7,7 +7,8 @@ length in Hugging Face and is not supported).
 
 Invariant: the cos/sin cache is float32, one row per position up to `max_position`, laid out
 [cos(f_0..f_{d/2-1}) | sin(f_0..f_{d/2-1})] and already multiplied by the rope type's attention factor; it is
-cast to the query dtype at use, matching Hugging Face's cos/sin rounding.
+cast to the query dtype at use, matching Hugging Face's cos/sin rounding. On CUDA tensors query and key are
+rotated by one fused kernel (fused_ops.rotary_embedding) with the same roundings.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from vllm.model_executor.layers.fused_ops import rotary_embedding, use_fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -122,7 +125,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [n] int64; query: [n, num_heads * head_size]; key: [n, num_kv_heads * head_size]."""
+        """positions: [n] int64; query: [n, num_heads * head_size]; key: [n, num_kv_heads * head_size] (rows may
+        be strided, e.g. column slices of a fused qkv) -> new contiguous tensors of the same shapes."""
+        if use_fused_ops(query) and key.dtype == query.dtype:
+            return rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
+        return self.forward_native(positions, query, key)
+
+    def forward_native(self, positions: torch.Tensor, query: torch.Tensor,
+                       key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch code: CPU runs, and the reference of the fused kernel."""
         cos_sin = self.cos_sin_cache.index_select(0, positions)  # [n, head_size]
         cos, sin = cos_sin.to(query.dtype).chunk(2, dim=-1)  # [n, head_size // 2] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -70,7 +70,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).view(n, self.q_size)
             k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).view(n, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        # NOTE: v stays a strided column slice of qkv: the attention backends' cache writes take row strides.
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
