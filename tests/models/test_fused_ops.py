@@ -32,7 +32,10 @@ REF_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloa
 
 
 def assert_matches_native(out: torch.Tensor, native: torch.Tensor) -> None:
-    """float32: allclose, tight. 16-bit: within one ulp everywhere and bitwise equal on >= 99% of elements."""
+    """float32: allclose, tight. 16-bit: bitwise equal on >= 99% of elements, and elsewhere within 2 ulps.
+
+    NOTE: 2, not 1: a 1-ulp flip of a rounded intermediate (x * rstd, from the variance's reduction order) is
+    multiplied by the weight, which moves the output by up to 2 ulps of its own binade."""
     assert out.dtype == native.dtype and out.shape == native.shape
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, native, rtol=1e-5, atol=1e-6)
@@ -43,7 +46,7 @@ def assert_matches_native(out: torch.Tensor, native: torch.Tensor) -> None:
     a, b = out.double(), native.double()
     _, exponent = torch.frexp(torch.maximum(a.abs(), b.abs()))  # |x| in [2^(e-1), 2^e)
     ulp = torch.ldexp(torch.ones_like(a), exponent - 1 - mantissa_bits).clamp(min=torch.finfo(out.dtype).tiny)
-    assert bool(((a - b).abs() <= ulp).all()), f"max diff {(a - b).abs().max().item()}"
+    assert bool(((a - b).abs() <= 2 * ulp).all()), f"max diff {(a - b).abs().max().item()}"
     assert (out == native).double().mean().item() >= 0.99
 
 

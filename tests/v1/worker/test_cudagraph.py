@@ -200,3 +200,18 @@ def test_sampler_graph_matches_eager(top_k: int, top_p: float) -> None:
                 assert mask == w_mask and lp_ids[1] == w_lp_ids[1]
             if top_k == 1:
                 assert tok == w_tok
+
+
+def test_sampler_graphs_bookkeeping_without_capture() -> None:
+    """SamplerGraphs' decisions that need no GPU: capture=False runs the function of the asked size eagerly; a
+    key that failed to capture (or one past max_keys) makes run() return None so the runner samples eagerly."""
+    eager = SamplerGraphs([2, 4], capture=False)
+    assert eager.run(4, "k", lambda size: (lambda: ("out", size))) == ("out", 4)
+    graphs = SamplerGraphs.__new__(SamplerGraphs)
+    graphs.__dict__.update(sizes=[2, 4], capture=True, max_keys=1, graphs={}, keys={"old"}, pools=[], failed=False,
+                           _next_set=0)
+    assert graphs.run(4, "new", lambda size: (lambda: None)) is None  # past max_keys
+    graphs.max_keys, graphs.failed = 8, True
+    assert graphs.run(4, "new", lambda size: (lambda: None)) is None  # after a failed capture
+    graphs.failed = False
+    assert graphs.run(3, "new", lambda size: (lambda: None)) is None  # not a capture size

@@ -8,8 +8,9 @@ Invariants:
 - Rounding is the torch code's, step by step: every intermediate that torch materialises in the input dtype
   (the residual sum, x * rstd, silu(gate), x1 * cos, ...) is rounded to that dtype here too (nearest even),
   and each binary op on 16-bit floats is computed in float32 and rounded once, as torch does. FMA contraction
-  is off. What differs: the reduction order of the RMSNorm variance, and on GPU Triton's approximate exp in
-  silu; so 16-bit results differ from torch's by one ulp on rare elements, float32 ones by a few ulps.
+  is off; rsqrt and exp are the ones torch calls on the device. What differs is the reduction order of the
+  RMSNorm variance: a rare 1-ulp flip of x * rstd, which the weight multiply carries into the output as up
+  to 2 ulps; float32 results differ by a few ulps.
 - Inputs need a unit stride on the last dim only; rows may be strided (column slices of a fused qkv or
   gate-up output, the heads of such a slice). Outputs are new contiguous tensors; inputs are never written.
 - Grids and allocations depend on shapes only (no host sync), so every launch can be captured in a CUDA graph.
@@ -30,6 +31,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Widest row one RMSNorm program holds in registers; wider rows keep the torch code.
@@ -124,7 +126,8 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + out_offs, x, mask=mask)
     x = x.to(tl.float32)
     variance = tl.sum(x * x, axis=1) / hidden_size  # [BLOCK_ROWS] float32
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(variance + eps))
+    # NOTE: rsqrt as torch's: approximate on CUDA (rsqrtf), 1 / sqrt in the interpreter (as torch on CPU).
+    rstd = tl.math.rsqrt(variance + eps)
     normed = _round(x * rstd[:, None], x_ptr.dtype.element_ty)
     w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)  # [BLOCK_D]
     tl.store(out_ptr + out_offs, _cast(normed * w[None, :], out_ptr.dtype.element_ty), mask=mask)
@@ -173,7 +176,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, num_rows, stride_x_row, d, BLOCK_ROWS: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask = (rows < num_rows)[:, None] & (cols < d)[None, :]  # [BLOCK_ROWS, BLOCK_D]
@@ -181,7 +184,13 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, num_rows, stride_x_row, d, BLOCK_ROWS: 
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + d, mask=mask, other=0.0).to(tl.float32)
     # NOTE: silu(gate) is rounded to the input dtype before the product, as F.silu(gate) * up is in torch.
-    act = _round(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty)
+    # NOTE: on CUDA libdevice's expf, which torch's silu calls, rather than tl.exp (ex2.approx); the interpreter
+    # has no libdevice, and its tl.exp is numpy's.
+    if LIBDEVICE_EXP:
+        exp_neg = libdevice.exp(-gate)
+    else:
+        exp_neg = tl.exp(-gate)
+    act = _round(tl.math.div_rn(gate, 1.0 + exp_neg), x_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * d + cols[None, :], _cast(act * up, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -199,7 +208,7 @@ def silu_and_mul(x: torch.Tensor, max_tile: int | None = None) -> torch.Tensor:
         block_d = min(triton.next_power_of_2(d), tile)
         block_rows = max(1, min(tile // block_d, triton.next_power_of_2(num_rows)))
         _silu_and_mul_kernel[(triton.cdiv(num_rows, block_rows), triton.cdiv(d, block_d))](
-            x, out, num_rows, x.stride(0), d, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+            x, out, num_rows, x.stride(0), d, BLOCK_ROWS=block_rows, BLOCK_D=block_d, LIBDEVICE_EXP=x.is_cuda,
             num_warps=_num_warps(block_rows * block_d), enable_fp_fusion=False)
     return out
 

@@ -98,6 +98,8 @@ class SamplerGraphs:
         self.max_keys = max_keys
         self.graphs: dict[tuple[int, int, Hashable], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.keys: set[Hashable] = set()
+        # Set when a capture raised: no more captures, graphs of earlier keys keep replaying.
+        self.failed = False
         self.pools: list[tuple[int, int]] = [torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()] \
             if capture else []
         self._next_set = 0
@@ -108,9 +110,18 @@ class SamplerGraphs:
         if not self.capture:
             return make_fn(size)()
         if key not in self.keys:
-            if len(self.keys) >= self.max_keys or size not in self.sizes:
+            if self.failed or len(self.keys) >= self.max_keys or size not in self.sizes:
                 return None
-            self._capture_all(key, make_fn)
+            try:
+                self._capture_all(key, make_fn)
+            except RuntimeError:
+                # NOTE: a sampler op that cannot be captured must not take the engine down: from now on the
+                # sampler runs eagerly (the forward graphs are unaffected).
+                logger.exception("Capturing the sampler CUDA graphs failed; the sampler runs eagerly from now on.")
+                self.failed = True
+                self.graphs = {k: v for k, v in self.graphs.items() if k[2] in self.keys}
+                torch.cuda.synchronize()
+                return None
         graph, output = self.graphs[(self._next_set, size, key)]
         self._next_set ^= 1
         graph.replay()
