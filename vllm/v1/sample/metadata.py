@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+
+
+# The per-row tensor fields, named as the model runner's persistent buffers (InputBuffers) that hold them.
+ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "sampling_mask_rows")
 
 
 @dataclass(slots=True)
@@ -28,3 +32,7 @@ class SamplingMetadata:
     # [num_reqs] int32: 1 for rows whose sampling mask is wanted this step, 0 otherwise (the num_sampled of
     # SamplingMaskTensors.from_logits); None when no row wants a mask.
     sampling_mask_rows: torch.Tensor | None = None
+
+    def narrow(self, n: int) -> SamplingMetadata:
+        """The first n rows (views), e.g. the real rows of a padded decode step."""
+        return replace(self, **{f: t[:n] for f in ROW_FIELDS if (t := getattr(self, f)) is not None})

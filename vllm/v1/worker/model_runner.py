@@ -7,9 +7,8 @@ chunk produces no token, no logprobs and an empty sampling-mask row.
 
 Step shape: prepare inputs (H2D copies) -> forward (a CUDA graph for pure-decode steps, cudagraph.py) -> logits
 -> sampler (with the logits, a second CUDA graph for those steps) -> outputs start their way to the host
-(async_output.py). `execute_model_async` returns before the
-outputs are on the host; the sampled ids stay on the device and feed the next step's input ids directly, so the
-next step can be launched first.
+(async_output.py). `execute_model_async` returns before the outputs are on the host; the sampled ids stay on the
+device and feed the next step's input ids directly, so the next step can be launched first.
 
 Invariants:
 - The KV cache has one block more than the scheduler knows of (index num_blocks): the scratch block that the
@@ -24,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -39,9 +39,8 @@ from vllm.v1.attention.ops.triton_unified_attention import num_splits_for_cudagr
 from vllm.v1.attention.layer import set_attn_backend
 from vllm.v1.attention.selector import get_attn_backend
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.outputs import LogprobsTensors
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.sample.metadata import ROW_FIELDS, SamplingMetadata
 from vllm.v1.sample.fast_path import fast_path_applies
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput, AsyncOutputCopier
@@ -198,7 +197,7 @@ class ModelRunner:
             out = self._sample_graphed(inputs, meta, graph_rows)
             if out is not None:
                 return self._finish_step(inputs, out)
-            meta = _narrow_metadata(meta, num_reqs)
+            meta = meta.narrow(num_reqs)
         hidden = self._forward(inputs)  # [num_reqs, hidden_size]
         logits = self.model.compute_logits(hidden).float()  # [num_reqs, V] float32
         return self._finish_step(inputs, self.sampler(logits, meta))
@@ -223,14 +222,14 @@ class ModelRunner:
         def make_fn(size: int) -> Callable[[], SamplerOutput]:
             # NOTE: what a graph of `size` rows reads: that size's forward output and the buffers' first rows.
             static_hidden = self.cudagraphs.graphs[size][1] if size != rows else hidden
-            static_meta = _narrow_metadata(self._padded_metadata(meta), size)
+            static_meta = self._padded_metadata(meta).narrow(size)
             return lambda: self.sampler(self.model.compute_logits(static_hidden).float(), static_meta)
 
         out = self.sampler_graphs.run(rows, key, make_fn)
         if out is None:
             # NOTE: the forward already ran; the eager sampler takes its rows.
             logits = self.model.compute_logits(hidden[:inputs.num_reqs]).float()
-            return self.sampler(logits, _narrow_metadata(meta, inputs.num_reqs))
+            return self.sampler(logits, meta.narrow(inputs.num_reqs))
         return _narrow_output(out, inputs.num_reqs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -269,12 +268,8 @@ class ModelRunner:
 
     def _padded_metadata(self, meta: SamplingMetadata) -> SamplingMetadata:
         """`meta` over all max_num_reqs rows of the persistent buffers (what a sampler graph of any size reads)."""
-        b = self.input_buffers
-        full = lambda t, buf: None if t is None else buf.gpu  # noqa: E731
-        return SamplingMetadata(full(meta.temperature, b.temperature), meta.all_greedy, meta.all_random,
-                                full(meta.top_p, b.top_p), full(meta.top_k, b.top_k), full(meta.min_p, b.min_p),
-                                meta.generators, meta.max_num_logprobs, meta.max_top_k,
-                                full(meta.sampling_mask_rows, b.sampling_mask_rows))
+        return replace(meta, **{f: getattr(self.input_buffers, f).gpu for f in ROW_FIELDS
+                                if getattr(meta, f) is not None})
 
     def _sampling_metadata(self, inputs: StepInputs, pad_to: int | None = None) -> SamplingMetadata:
         """The step's sampling settings; with `pad_to`, tensors of pad_to rows whose padding rows are neutral."""
@@ -306,14 +301,6 @@ class ModelRunner:
             max_top_k=max_top_k,
             sampling_mask_rows=tensor(buffers.sampling_mask_rows, wants_mask, False)
             if bool(wants_mask.any()) else None)
-
-
-def _narrow_metadata(meta: SamplingMetadata, n: int) -> SamplingMetadata:
-    """The first n rows of a padded SamplingMetadata."""
-    cut = lambda t: None if t is None else t[:n]  # noqa: E731
-    return SamplingMetadata(cut(meta.temperature), meta.all_greedy, meta.all_random, cut(meta.top_p),
-                            cut(meta.top_k), cut(meta.min_p), meta.generators, meta.max_num_logprobs,
-                            meta.max_top_k, cut(meta.sampling_mask_rows))
 
 
 def _narrow_output(out: SamplerOutput, n: int) -> SamplerOutput:

@@ -75,8 +75,8 @@ def format_json_rows(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[tor
 def pack_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[R, W] rows -> [R * W] (same dtype) with row r's first lengths[r] values at the exclusive prefix sum of the
     lengths before it (rows with length <= 0 or > W take no room), so the host needs only the lengths to cut it.
-    Used for the mask's compact ids (SamplingMaskTensors.to_cpu_nonblocking: rows past K have counts > K) and
-    the JSON texts. One Triton launch on CUDA (or under the interpreter), `pack_rows_torch` otherwise."""
+    Used for the mask's compact ids (SamplingMaskTensors.to_cpu_nonblocking: rows past K have counts > K). One
+    Triton launch on CUDA (or under the interpreter), `pack_rows_torch` otherwise."""
     num_reqs, width = values.shape
     if not (values.is_cuda or triton.knobs.runtime.interpret) or num_reqs == 0 or width == 0:
         return pack_rows_torch(values, lengths)
@@ -88,7 +88,7 @@ def pack_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def pack_rows_torch(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """`pack_rows` with torch ops (CPU tensors; the reference of the tests)."""
+    """`pack_rows` with torch ops (CPU tensors, the JSON texts' fallback; the reference of the tests)."""
     num_reqs, width = values.shape
     n = lengths.to(torch.int64)
     n = torch.where((n < 0) | (n > width), 0, n)  # [R]
@@ -98,6 +98,18 @@ def pack_rows_torch(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
     flat = torch.empty(num_reqs * width + 1, dtype=values.dtype, device=values.device)
     flat.scatter_(0, dest.flatten(), values.flatten())
     return flat[:num_reqs * width]
+
+
+@triton.jit
+def _row_start(lengths_ptr, row, num_reqs, max_length, BLOCK_R: tl.constexpr):
+    """(offset, length) of `row` in a packing of rows back to back: lengths < 0 or > max_length take no room.
+
+    NOTE: each program sums the lengths before its row itself (R <= a few thousand ints, from L2), so a packing
+    needs no separate prefix-sum launch."""
+    r = tl.arange(0, BLOCK_R)
+    lengths = tl.load(lengths_ptr + r, mask=r < num_reqs, other=0).to(tl.int64)
+    lengths = tl.where((lengths < 0) | (lengths > max_length), 0, lengths)
+    return tl.sum(tl.where(r < row, lengths, 0), axis=0), tl.sum(tl.where(r == row, lengths, 0), axis=0)
 
 
 @triton.jit
@@ -112,13 +124,7 @@ def _pack_rows_kernel(
     BLOCK_W: tl.constexpr,
 ):
     row = tl.program_id(0)
-    # NOTE: each program sums the lengths before its row itself (R <= a few thousand ints, from L2), so the
-    # packing needs no separate prefix-sum launch.
-    r = tl.arange(0, BLOCK_R)
-    lengths = tl.load(lengths_ptr + r, mask=r < num_reqs, other=0).to(tl.int64)
-    lengths = tl.where((lengths < 0) | (lengths > width), 0, lengths)
-    start = tl.sum(tl.where(r < row, lengths, 0), axis=0)
-    n = tl.sum(tl.where(r == row, lengths, 0), axis=0)
+    start, n = _row_start(lengths_ptr, row, num_reqs, width, BLOCK_R)
     src = values_ptr + row.to(tl.int64) * values_stride
     for w0 in range(0, n, BLOCK_W):
         offs = w0 + tl.arange(0, BLOCK_W)
@@ -168,11 +174,8 @@ def _json_write_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     if tl.load(lengths_ptr + row) >= 0:
-        # NOTE: the row's offset is the sum of the lengths before it (-1 counts 0), summed here from L2 instead
-        # of a separate prefix-sum launch.
-        r = tl.arange(0, BLOCK_R)
-        lengths = tl.load(lengths_ptr + r, mask=r < num_reqs, other=0).to(tl.int64)
-        base = tl.sum(tl.where((r < row) & (lengths > 0), lengths, 0), axis=0)
+        # NOTE: a text length never exceeds its row's width (no upper cut); -1 (left to the host) takes no room.
+        base, _ = _row_start(lengths_ptr, row, num_reqs, 0x7FFFFFFF, BLOCK_R)
         n = tl.minimum(tl.load(counts_ptr + row), num_kept)
         offs = tl.arange(0, BLOCK_K)
         valid = offs < n
