@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from vllm.v1.sample.ops.mask_json import format_json_rows, max_text_width
@@ -104,3 +105,35 @@ def test_pack_rows_kernel_matches_torch() -> None:
     for fn in (pack_rows, pack_rows_torch):
         got = fn(values.to(device), lengths.to(device)).cpu()
         assert got.shape == (35,) and got[:10].tolist() == want
+
+
+@pytest.mark.parametrize("row_block", [4, 1024])
+def test_packing_kernels_across_row_blocks(monkeypatch: pytest.MonkeyPatch, row_block: int) -> None:
+    """The packing offset is summed over fixed blocks of rows (`_ROW_BLOCK`, so one compiled kernel serves every
+    batch size): with 4-row blocks, 11 rows span three blocks and rows start at, after and inside block edges;
+    pack_rows and json_rows_packed match the torch versions (and json.dumps) either way."""
+    from vllm.v1.sample.ops import mask_json
+    from vllm.v1.sample.ops.mask_json import format_json_rows, json_rows_packed, pack_rows, pack_rows_torch
+
+    monkeypatch.setattr(mask_json, "_ROW_BLOCK", row_block)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rng = np.random.default_rng(5)
+    num_kept = 6
+    counts = rng.integers(0, num_kept + 1, 11)
+    counts[[3, 8]] = [num_kept + 2, 0]  # a row past K (no room) and an empty one
+    token_ids = np.sort(rng.integers(0, 151936, (11, num_kept)), axis=1).astype(np.int32)
+    ids_t, counts_t = torch.from_numpy(token_ids).to(device), torch.from_numpy(counts.astype(np.int32)).to(device)
+    assert pack_rows(ids_t, counts_t).cpu()[:int(counts[counts <= num_kept].sum())].tolist() == \
+        pack_rows_torch(ids_t.cpu(), counts_t.cpu())[:int(counts[counts <= num_kept].sum())].tolist()
+    text, lengths = json_rows_packed(ids_t, counts_t)
+    ref_text, ref_lengths = format_json_rows(ids_t.cpu(), counts_t.cpu())
+    assert lengths.cpu().tolist() == ref_lengths.tolist()
+    pos = 0
+    for r in range(11):
+        n = int(lengths[r])
+        if n < 0:
+            assert r == 3
+            continue
+        row = token_ids[r, :counts[r]].tolist()
+        assert text[pos:pos + n].cpu().numpy().tobytes() == json.dumps(row, separators=(",", ":")).encode(), r
+        pos += n

@@ -53,7 +53,7 @@ def run_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
 
 def test_topk_impl_matches_reference() -> None:
     """impl="topk" (torch.topk threshold + one counting read) against the sort reference: random rows at several
-    temperatures, tie groups inside and past C, +-0.0 ties, NaN/+inf/-inf rows and the k bounds."""
+    temperatures, tie groups inside and past C, +-0.0 ties, NaN/+inf/-inf rows and the k bounds (also k > C)."""
     logits = bf16_logits(4, 3001, 3001)
     temperature = torch.tensor([1.0, 0.7, 1.3, 0.31])
     top_k = torch.tensor([1, 50, 300, 17], dtype=torch.int32)
@@ -93,6 +93,18 @@ def test_topk_impl_matches_reference() -> None:
     small_t = torch.tensor([1.0, 0.9, 1.1, 1.0])
     small_k = torch.tensor([1300, 1800, 0, 1], dtype=torch.int32)
     check(run_topk(small, small_t, small_k, 1300), reference(small, small_t, small_k, 1300))
+
+    # float32 logits that are not bf16 values, k up to and past C (k > C: more than C values >= kth, so -1; the
+    # threshold of such a row is not checked, no caller reads it).
+    dense = torch.randn(4, 4000, generator=torch.Generator().manual_seed(8)) * 0.001 + 2.0
+    dense_t = torch.tensor([1.0, 0.37, 1.9, 1.0])
+    for dense_k in ([7, 100, 250, 1], [300, 299, 1, 301]):
+        k_t = torch.tensor(dense_k, dtype=torch.int32)
+        want = reference(dense, dense_t, k_t, 300)
+        check(run_topk(dense, dense_t, k_t, 300), want, check_kth=False)
+        assert all(float(got) == w[1] for got, w in zip(run_topk(dense, dense_t, k_t, 300).kth, want) if w[0] >= 0)
+    assert [w[0] for w in reference(dense, dense_t, torch.tensor([300, 299, 1, 301], dtype=torch.int32), 300)] \
+        == [300, 299, 1, -1]
 
 
 def test_select_argument_validation() -> None:

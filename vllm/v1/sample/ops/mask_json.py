@@ -29,6 +29,8 @@ import triton.language as tl
 
 logger = logging.getLogger(__name__)
 MAX_DIGITS = 7
+# Rows summed per block by `_row_start` (a constant, so the packing kernels compile once for every batch size).
+_ROW_BLOCK = 1024
 _COMMA, _OPEN, _CLOSE, _ZERO = ord(","), ord("["), ord("]"), ord("0")
 
 
@@ -82,8 +84,8 @@ def pack_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return pack_rows_torch(values, lengths)
     values = values.contiguous()
     flat = torch.empty(num_reqs * width, dtype=values.dtype, device=values.device)
-    _pack_rows_kernel[(num_reqs,)](values, values.stride(0), lengths.contiguous(), flat, num_reqs, width,
-                                   BLOCK_R=triton.next_power_of_2(num_reqs), BLOCK_W=1024)
+    _pack_rows_kernel[(num_reqs,)](values, values.stride(0), lengths.contiguous(), flat, width, BLOCK_R=_ROW_BLOCK,
+                                   BLOCK_W=1024)
     return flat
 
 
@@ -101,15 +103,21 @@ def pack_rows_torch(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
 
 
 @triton.jit
-def _row_start(lengths_ptr, row, num_reqs, max_length, BLOCK_R: tl.constexpr):
+def _row_start(lengths_ptr, row, max_length, BLOCK_R: tl.constexpr):
     """(offset, length) of `row` in a packing of rows back to back: lengths < 0 or > max_length take no room.
 
     NOTE: each program sums the lengths before its row itself (R <= a few thousand ints, from L2), so a packing
-    needs no separate prefix-sum launch."""
-    r = tl.arange(0, BLOCK_R)
-    lengths = tl.load(lengths_ptr + r, mask=r < num_reqs, other=0).to(tl.int64)
-    lengths = tl.where((lengths < 0) | (lengths > max_length), 0, lengths)
-    return tl.sum(tl.where(r < row, lengths, 0), axis=0), tl.sum(tl.where(r == row, lengths, 0), axis=0)
+    needs no separate prefix-sum launch. BLOCK_R is fixed (not the batch's power of two): one compiled variant
+    for every batch size, so a batch size seen for the first time never stops a serving step for a compile."""
+    start = tl.zeros((), dtype=tl.int64)
+    n = tl.zeros((), dtype=tl.int64)
+    for r0 in range(0, row + 1, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        lengths = tl.load(lengths_ptr + r, mask=r <= row, other=0).to(tl.int64)
+        lengths = tl.where((lengths < 0) | (lengths > max_length), 0, lengths)
+        start += tl.sum(tl.where(r < row, lengths, 0), axis=0)
+        n += tl.sum(tl.where(r == row, lengths, 0), axis=0)
+    return start, n
 
 
 @triton.jit
@@ -118,13 +126,12 @@ def _pack_rows_kernel(
     values_stride,
     lengths_ptr,  # [R] int
     out_ptr,  # [R * W]
-    num_reqs,
     width,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
     row = tl.program_id(0)
-    start, n = _row_start(lengths_ptr, row, num_reqs, width, BLOCK_R)
+    start, n = _row_start(lengths_ptr, row, width, BLOCK_R)
     src = values_ptr + row.to(tl.int64) * values_stride
     for w0 in range(0, n, BLOCK_W):
         offs = w0 + tl.arange(0, BLOCK_W)
@@ -167,7 +174,6 @@ def _json_write_kernel(
     counts_ptr,  # [R] int32
     lengths_ptr,  # [R] int32
     text_ptr,  # [R * W] uint8 out
-    num_reqs,
     num_kept,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -175,7 +181,7 @@ def _json_write_kernel(
     row = tl.program_id(0).to(tl.int64)
     if tl.load(lengths_ptr + row) >= 0:
         # NOTE: a text length never exceeds its row's width (no upper cut); -1 (left to the host) takes no room.
-        base, _ = _row_start(lengths_ptr, row, num_reqs, 0x7FFFFFFF, BLOCK_R)
+        base, _ = _row_start(lengths_ptr, row, 0x7FFFFFFF, BLOCK_R)
         n = tl.minimum(tl.load(counts_ptr + row), num_kept)
         offs = tl.arange(0, BLOCK_K)
         valid = offs < n
@@ -214,8 +220,8 @@ def json_rows_packed(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[tor
             _json_lengths_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, num_kept,
                                               BLOCK_K=block)
             text = torch.empty(num_reqs * max_text_width(num_kept), dtype=torch.uint8, device=token_ids.device)
-            _json_write_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, text, num_reqs,
-                                            num_kept, BLOCK_K=block, BLOCK_R=triton.next_power_of_2(num_reqs))
+            _json_write_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, text, num_kept,
+                                            BLOCK_K=block, BLOCK_R=_ROW_BLOCK)
             return text, lengths
         except triton.CompilationError:
             _kernels_failed = True

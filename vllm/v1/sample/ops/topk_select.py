@@ -250,7 +250,8 @@ def _select_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         logits, logits.stride(0), temperature, kth_z, scratch[0], scratch[1], vocab_size, CHUNK=_COUNT_CHUNK,
         num_warps=8)
     full, bad = scratch[0], scratch[1]
-    ok = (bad == 0) & (full == in_top.sum(dim=-1)) & (kth_z[:, 0] > float("-inf"))
+    # NOTE: k > C means more than C values >= kth: the row cannot be held (the threshold above is not its kth).
+    ok = (bad == 0) & (full == in_top.sum(dim=-1)) & (kth_z[:, 0] > float("-inf")) & (k[:, 0] <= width)
     # NOTE: ascending ids: the kept columns sorted by id; the others get id V and sort last.
     order_key, order = torch.where(in_top, top_ids, vocab_size).sort(dim=-1)  # [num_reqs, W]
     ids[:, :width] = order_key.to(torch.int32)
