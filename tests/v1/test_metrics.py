@@ -41,3 +41,16 @@ def test_step_timer_reports_ms_per_step_and_resets() -> None:
     assert "8 rows/step" in line and "schedule 2.00" in line and "wait 10.00" in line and "out.lists 1.00" in line
     assert "update 0.00" in line
     assert timer.steps == 0 and not timer.totals
+
+
+def test_step_timer_parts_of_launch_are_reported_but_not_counted_twice() -> None:
+    """launch.* phases (the model runner's split of `launch`) are printed, and like out.* they do not add to the
+    host-busy share: only the top-level phases do (10 s of launch.model in a ~0 s window stays 0% busy)."""
+    from vllm.v1.metrics.step_timing import StepTimer
+    timer = StepTimer()
+    timer.add("launch.model", 10.0)
+    timer.add("launch.mask", 4.0)
+    timer.count_step(1)
+    line = timer.report()
+    assert "launch.model 10000.00" in line and "launch.mask 4000.00" in line and "launch 0.00" in line
+    assert line.endswith("host busy 0%")

@@ -89,8 +89,12 @@ class AsyncOutputCopier:
                     host_logprobs = type(logprobs)(*(slot.copy(t, name) for t, name in
                                                      zip(logprobs, ("lp_token_ids", "lp_values", "lp_ranks"))))
                 event.record(self.copy_stream)
-        mask_copy = (sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=slot)
-                     if sampling_mask is not None else None)
+        mask_copy = None
+        if sampling_mask is not None:
+            t0 = time.perf_counter()
+            mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=slot)
+            if self.timer is not None:
+                self.timer.add("launch.mask", time.perf_counter() - t0)
         args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy, self.timer)
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:

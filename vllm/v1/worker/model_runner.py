@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -179,6 +180,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Launch one step; the returned object's `get_output()` waits for its host-side results."""
+        t0 = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return AsyncModelRunnerOutput.ready(EMPTY_MODEL_RUNNER_OUTPUT)
@@ -193,14 +195,22 @@ class ModelRunner:
         graph_rows = pad_to if pad_to is not None and self.sampler_graphs is not None else None
         meta = self._sampling_metadata(inputs, graph_rows)
         buffers.record_copies()
-        if graph_rows is not None:
-            out = self._sample_graphed(inputs, meta, graph_rows)
-            if out is not None:
-                return self._finish_step(inputs, out)
-            meta = meta.narrow(num_reqs)
-        hidden = self._forward(inputs)  # [num_reqs, hidden_size]
-        logits = self.model.compute_logits(hidden).float()  # [num_reqs, V] float32
-        return self._finish_step(inputs, self.sampler(logits, meta))
+        t1 = time.perf_counter()
+        out = self._sample_graphed(inputs, meta, graph_rows) if graph_rows is not None else None
+        if out is None:
+            if graph_rows is not None:
+                meta = meta.narrow(num_reqs)
+            hidden = self._forward(inputs)  # [num_reqs, hidden_size]
+            logits = self.model.compute_logits(hidden).float()  # [num_reqs, V] float32
+            out = self.sampler(logits, meta)
+        t2 = time.perf_counter()
+        result = self._finish_step(inputs, out)
+        timer = self.output_copier.timer
+        if timer is not None:
+            timer.add("launch.prep", t1 - t0)
+            timer.add("launch.model", t2 - t1)
+            timer.add("launch.out", time.perf_counter() - t2)
+        return result
 
     def _sample_graphed(self, inputs: StepInputs, meta: SamplingMetadata, rows: int) -> SamplerOutput | None:
         """Forward graph, then the logits + sampler graph over all `rows` padded rows; None when this step's
