@@ -237,13 +237,14 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
     if any(w is not None for _, w in busiest):
         lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "
                       "ms per step:", "",
-                  "| arm | rows | steps/s | schedule | launch | wait | update | send | host busy |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| arm | rows | steps/s | schedule | launch | of it, mask copy | wait | update | send "
+                  "| output thread lists | host busy |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, w in busiest:
             if w is not None:
                 lines.append(f"| {name} | {w['rows']:.0f} | {w['steps_per_s']:.1f} | "
-                             + " | ".join(f"{w.get(k, 0.0):.2f}" for k in ("schedule", "launch", "wait", "update",
-                                                                           "send"))
+                             + " | ".join(f"{w.get(k, 0.0):.2f}" for k in ("schedule", "launch", "launch.mask",
+                                                                           "wait", "update", "send", "out.lists"))
                              + f" | {w['host_busy_pct']:.0f}% |")
     for a in arms:
         if a["error"]:
