@@ -7,6 +7,9 @@ benchmarks/benchmark_serving.py's load at each concurrency, and stops the server
 ab_sampling_mask.{json,md,png} and server_<arm>.log into --out-dir; with VLLM_ENGINE_STEP_TIMING=1 the engine
 core's step-timing windows go into the JSON, and each arm's busiest window into the markdown.
 
+An arm is one of ARMS, optionally with extra environment variables for its server: `mask+VLLM_X=1` (several
+`+NAME=VALUE` allowed; names must start with VLLM_), to compare settings of one arm side by side in one run.
+
 One command on the GPU machine (the server stack's wheels in /tmp/site):
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/ab_sampling_mask.py --out-dir out/ab
 
@@ -42,6 +45,34 @@ ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {}),
         # Optional fourth arm: the mask without its JSON text formatted on the device (the API server formats the ids).
         "mask-ids": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "0"})}
 DEFAULT_ARMS = ["no-mask", "mask", "pre-change"]
+
+
+def arm_spec(arm: str) -> tuple[list[str], dict[str, str]]:
+    """(vllm serve flags, extra environment) of an arm name: a key of ARMS, then optional "+NAME=VALUE"s."""
+    base, *extra = arm.split("+")
+    if base not in ARMS:
+        raise ValueError(f"unknown arm {base!r} in {arm!r}; arms: {', '.join(ARMS)}")
+    flags, env = ARMS[base]
+    env = dict(env)
+    for item in extra:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("VLLM_"):
+            raise ValueError(f"arm {arm!r}: expected +VLLM_NAME=VALUE, got {item!r}")
+        env[name] = value
+    return flags, env
+
+
+def arm_file_name(arm: str) -> str:
+    """The arm's name with only [A-Za-z0-9_.-] (its log and profile folder names)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", arm)
+
+
+def _arm_arg(value: str) -> str:
+    try:
+        arm_spec(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 # NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.
 STARTUP_ESTIMATE_S = 60.0
 
@@ -85,7 +116,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -> subprocess.Popen:
-    flags, env_extra = ARMS[arm]
+    flags, env_extra = arm_spec(arm)
     model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--skip-tokenizer-init", "--max-num-seqs", str(args.max_num_seqs),
@@ -101,7 +132,7 @@ def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -
     env.pop("VLLM_SAMPLING_MASK_TEXT", None)
     env.update(env_extra)
     if args.cprofile_dir:
-        env["VLLM_CPROFILE_DIR"] = os.path.join(os.path.abspath(args.cprofile_dir), arm)
+        env["VLLM_CPROFILE_DIR"] = os.path.join(os.path.abspath(args.cprofile_dir), arm_file_name(arm))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     log(f"{arm}: " + shlex.join([f"{k}={v}" for k, v in env_extra.items()] + ["python3", *cmd[1:]]))
@@ -138,7 +169,7 @@ def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeou
 def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = os.path.join(args.out_dir, f"server_{arm}.log")
+    log_path = os.path.join(args.out_dir, f"server_{arm_file_name(arm)}.log")
     result: dict[str, Any] = {"arm": arm, "error": None, "levels": [], "server_log": log_path}
     t0 = time.monotonic()
     proc = start_server(args, arm, port, log_path)
@@ -285,7 +316,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--server-args", default="--api-server-count 4",
                         help="Extra vllm serve flags (every arm), one shell-quoted string; default: 4 API server "
                              "processes, so that one Python frontend is not what the A/B measures.")
-    parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, type=_arm_arg,
+                        help=f"Arms: {', '.join(ARMS)}, each optionally with +VLLM_NAME=VALUE (extra server "
+                             "environment), e.g. mask+VLLM_OUTPUT_LISTS_IN_THREAD=0.")
     parser.add_argument("--concurrencies", type=int, nargs="+", default=[64, 256, 512, 1024])
     parser.add_argument("--num-prompts-per-concurrency", type=float, default=1.0)
     parser.add_argument("--min-num-prompts", type=int, default=128)

@@ -17,6 +17,16 @@ def _bool(name: str, default: bool = False) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _float(name: str) -> float | None:
+    value = _str(name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
 def __getattr__(name: str):  # read at use, so tests can set variables with monkeypatch
     if name in _VARS:
         return _VARS[name]()
@@ -41,6 +51,12 @@ _VARS = {
     # Capture the LM head + sampler of graphed decode steps as CUDA graphs (vllm/v1/worker/cudagraph.py); 0 runs
     # them eagerly (for comparisons).
     "VLLM_SAMPLER_CUDA_GRAPH": lambda: _bool("VLLM_SAMPLER_CUDA_GRAPH", True),
+    # Performance work only: the engine-core process's GIL switch interval in ms (sys.setswitchinterval; unset:
+    # Python's 5 ms). Its main thread shares the GIL with the output thread (docs/benchmarks.md).
+    "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": lambda: _float("VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS"),
+    # Performance work only: 0 builds a step's host lists (tokens, logprobs, masks) on the engine's main thread
+    # when it asks for them, the output thread only waiting for the copies (vllm/v1/worker/async_output.py).
+    "VLLM_OUTPUT_LISTS_IN_THREAD": lambda: _bool("VLLM_OUTPUT_LISTS_IN_THREAD", True),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
 }

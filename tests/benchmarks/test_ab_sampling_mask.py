@@ -36,3 +36,17 @@ def test_step_timing_windows_are_parsed_and_the_busiest_is_tabled(tmp_path) -> N
     windows[1]["launch.mask"] = 0.63  # the runner's split of launch (newer logs), when present
     assert "| mask | 947 | 62.8 | 0.87 | 3.78 | 0.63 | 8.85 |" in ab.markdown([arm], [64])
     assert "step timing" not in ab.markdown([{**arm, "step_timing": []}], [64])
+
+
+def test_arm_names_with_extra_environment() -> None:
+    import pytest
+
+    assert ab.arm_spec("mask") == (["--return-sampling-mask"], {})
+    assert ab.arm_spec("pre-change+VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS=0.5+VLLM_OUTPUT_LISTS_IN_THREAD=0") == (
+        ["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1",
+                                     "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": "0.5", "VLLM_OUTPUT_LISTS_IN_THREAD": "0"})
+    assert ab.ARMS["pre-change"][1] == {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"}  # not changed by the call above
+    for bad in ("masks", "mask+FOO=1", "mask+VLLM_X", "no-mask+"):
+        with pytest.raises(ValueError):
+            ab.arm_spec(bad)
+    assert ab.arm_file_name("mask+VLLM_X=0.5") == "mask_VLLM_X_0.5"

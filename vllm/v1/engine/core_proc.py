@@ -27,6 +27,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -238,6 +239,11 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
     exit_code = 0
     try:
         try:
+            interval_ms = envs.VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS
+            if interval_ms is not None:
+                if not interval_ms > 0:
+                    raise ValueError(f"VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS must be > 0, got {interval_ms}")
+                sys.setswitchinterval(interval_ms / 1e3)
             if engine_core_factory is None:
                 from vllm.v1.engine.core import EngineCore
                 engine_core_factory = EngineCore

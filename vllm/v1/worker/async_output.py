@@ -3,7 +3,9 @@
 `AsyncOutputCopier.submit` runs right after the sampler is launched: on CUDA it queues the device-to-host
 copies (sampled ids, logprobs) on a side stream that first waits for the compute stream, records an event,
 starts the sampling mask's own non-blocking copy, and hands the list building to a one-thread executor. The
-caller gets an AsyncModelRunnerOutput at once; `get_output()` blocks until the lists are ready.
+caller gets an AsyncModelRunnerOutput at once; `get_output()` blocks until the lists are ready. With
+`lists_in_thread=False` (VLLM_OUTPUT_LISTS_IN_THREAD=0, for performance comparisons) the thread only waits for
+the copies and `get_output()` builds the lists on the caller's thread.
 
 Invariants:
 - Host buffers are pinned and reused (HostStagingSlot, grown on demand), in two slots used alternately: a slot
@@ -19,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,10 +34,13 @@ from vllm.v1.sample.sampling_mask import HostStagingSlot
 class AsyncModelRunnerOutput:
     """A ModelRunnerOutput that may still be on its way to the host."""
 
-    def __init__(self, future: Future[tuple[ModelRunnerOutput, np.ndarray]] | None,
+    def __init__(self, future: Future[Any] | None,
                  output: ModelRunnerOutput | None = None, on_ready: Callable[[np.ndarray], None] | None = None,
-                 keep_alive: Any = None) -> None:
+                 keep_alive: Any = None, build: Callable[[], tuple[ModelRunnerOutput, np.ndarray]] | None = None
+                 ) -> None:
+        # `future` gives (output, sampled ids), or, with `build`, only says the copies are done.
         self._future = future
+        self._build = build
         self._output = output
         self._on_ready = on_ready
         self._keep_alive = keep_alive
@@ -46,8 +52,9 @@ class AsyncModelRunnerOutput:
     def get_output(self) -> ModelRunnerOutput:
         if self._output is None:
             assert self._future is not None
-            self._output, sampled = self._future.result()
-            self._future = None
+            result = self._future.result()
+            self._output, sampled = self._build() if self._build is not None else result
+            self._future = self._build = None
             self._keep_alive = None
             if self._on_ready is not None:
                 self._on_ready(sampled)
@@ -56,8 +63,10 @@ class AsyncModelRunnerOutput:
 
 
 class AsyncOutputCopier:
-    def __init__(self, device: torch.device, use_thread: bool, mask_text: bool = False) -> None:
+    def __init__(self, device: torch.device, use_thread: bool, mask_text: bool = False,
+                 lists_in_thread: bool = True) -> None:
         self.device = device
+        self.lists_in_thread = lists_in_thread
         # Also turn the sampling masks into JSON text (on the copy stream), for the API server.
         self.mask_text = mask_text
         on_cuda = device.type == "cuda"
@@ -95,28 +104,39 @@ class AsyncOutputCopier:
             mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=slot)
             if self.timer is not None:
                 self.timer.add("launch.mask", time.perf_counter() - t0)
-        args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy, self.timer)
+        args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy, self.timer, self.timer)
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
             output, sampled_np = _build_output(*args)
             on_ready(sampled_np)
             return AsyncModelRunnerOutput.ready(output)
-        future = self._executor.submit(_build_output, *args)
-        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
+        if self.lists_in_thread:
+            return AsyncModelRunnerOutput(self._executor.submit(_build_output, *args), None, on_ready, keep_alive)
+        future = self._executor.submit(_wait_copies, event, mask_copy, self.timer)
+        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive,
+                                      build=partial(_build_output, *args[:6], None, self.timer))
 
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
 
-def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Event | None,
-                  sampled: torch.Tensor, logprobs: Any, mask_copy: Any,
-                  timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
+def _wait_copies(event: torch.cuda.Event | None, mask_copy: Any, timer: Any = None) -> None:
     t0 = time.perf_counter()
     if event is not None:
         event.synchronize()
     if mask_copy is not None:
         mask_copy.wait()
+    if timer is not None:
+        timer.add("out.event", time.perf_counter() - t0)
+
+
+def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Event | None,
+                  sampled: torch.Tensor, logprobs: Any, mask_copy: Any, wait_timer: Any = None,
+                  timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
+    """The step's host lists, after waiting for its copies (timed as out.event into `wait_timer`); the list
+    building is timed as out.lists into `timer`."""
+    _wait_copies(event, mask_copy, wait_timer)
     t1 = time.perf_counter()
     sampled_np = sampled.numpy()
     sampled_token_ids = [[t] if s else [] for t, s in zip(sampled_np.tolist(), samples.tolist())]
@@ -134,6 +154,5 @@ def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Eve
                                sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
                                sampling_mask_text=text)
     if timer is not None:
-        timer.add("out.event", t1 - t0)
         timer.add("out.lists", time.perf_counter() - t1)
     return output, sampled_np
