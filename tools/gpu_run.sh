@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call: CUDA tests, kernel benchmarks, backend check,
 # offline throughput, serving A/B. Results land in $OUT (the device tool's output folder) or ./out; with
-# PACK=1 they are also packed into $OUT/all.tgz (the device tool returns only a few files, and no deep folders).
+# PACK=1 they are packed into $OUT/all.tgz instead (the device tool returns only a few files, and no deep folders).
 #   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
 # Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) while the stages run.
@@ -50,5 +50,6 @@ for s in $stages; do
 done
 [ -n "${sampler:-}" ] && kill "$sampler"
 if [ "${PACK:-0}" = 1 ]; then
-  tar czf /tmp/gpu_run_all.tgz -C "$OUT" . && mv /tmp/gpu_run_all.tgz "$OUT/all.tgz"
+  # NOTE: the device tool returns only a few files: everything goes back as one archive.
+  tar czf /tmp/gpu_run_all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_run_all.tgz "$OUT/all.tgz"
 fi
