@@ -46,20 +46,36 @@ ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {}),
         "mask-ids": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "0"})}
 DEFAULT_ARMS = ["no-mask", "mask", "pre-change"]
 
+# NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.
+STARTUP_ESTIMATE_S = 60.0
+
 
 def arm_spec(arm: str) -> tuple[list[str], dict[str, str]]:
-    """(vllm serve flags, extra environment) of an arm name: a key of ARMS, then optional "+NAME=VALUE"s."""
-    base, *extra = arm.split("+")
+    """(vllm serve flags, extra environment) of an arm name: a key of ARMS, then optional "+VLLM_NAME=VALUE"s
+    (a value may contain "+"; the names must be variables of vllm/envs.py)."""
+    base, *extra = arm.split("+VLLM_")
     if base not in ARMS:
-        raise ValueError(f"unknown arm {base!r} in {arm!r}; arms: {', '.join(ARMS)}")
+        raise ValueError(f"unknown arm {base!r} in {arm!r}; arms: {', '.join(ARMS)}, each optionally followed "
+                         "by +VLLM_NAME=VALUE")
     flags, env = ARMS[base]
     env = dict(env)
+    known = _env_names()
     for item in extra:
-        name, sep, value = item.partition("=")
-        if not sep or not name.startswith("VLLM_"):
-            raise ValueError(f"arm {arm!r}: expected +VLLM_NAME=VALUE, got {item!r}")
+        name, sep, value = ("VLLM_" + item).partition("=")
+        if not sep:
+            raise ValueError(f"arm {arm!r}: expected +VLLM_NAME=VALUE, got {'+' + name!r}")
+        if known is not None and name not in known:
+            raise ValueError(f"arm {arm!r}: {name} is not a variable of vllm/envs.py")
         env[name] = value
     return flags, env
+
+
+def _env_names() -> set[str] | None:
+    try:
+        from vllm import envs
+    except ImportError:
+        return None
+    return set(envs._VARS)
 
 
 def arm_file_name(arm: str) -> str:
@@ -73,8 +89,6 @@ def _arm_arg(value: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value
-# NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.
-STARTUP_ESTIMATE_S = 60.0
 
 
 def log(msg: str) -> None:
@@ -128,8 +142,9 @@ def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -
         cmd += ["--device", args.device]
     cmd += shlex.split(args.server_args)
     env = dict(os.environ)
-    env.pop("VLLM_SAMPLING_MASK_LEGACY_PATH", None)
-    env.pop("VLLM_SAMPLING_MASK_TEXT", None)
+    # NOTE: a variable that any arm of this run sets is the arms' difference: none inherits it from the shell.
+    for name in {n for a in [*ARMS, *args.arms] for n in arm_spec(a)[1]}:
+        env.pop(name, None)
     env.update(env_extra)
     if args.cprofile_dir:
         env["VLLM_CPROFILE_DIR"] = os.path.join(os.path.abspath(args.cprofile_dir), arm_file_name(arm))
@@ -269,13 +284,14 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
         lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "
                       "ms per step:", "",
                   "| arm | rows | steps/s | schedule | launch | of it, mask copy | wait | update | send "
-                  "| output thread lists | host busy |",
+                  "| lists (output thread or main) | host busy |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, w in busiest:
             if w is not None:
                 lines.append(f"| {name} | {w['rows']:.0f} | {w['steps_per_s']:.1f} | "
-                             + " | ".join(f"{w.get(k, 0.0):.2f}" for k in ("schedule", "launch", "launch.mask",
-                                                                           "wait", "update", "send", "out.lists"))
+                             + " | ".join(f"{w[k]:.2f}" if k in w else "-"
+                                          for k in ("schedule", "launch", "launch.mask", "wait", "update", "send",
+                                                    "out.lists" if "out.lists" in w else "lists"))
                              + f" | {w['host_busy_pct']:.0f}% |")
     for a in arms:
         if a["error"]:
@@ -344,6 +360,9 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.concurrencies) < 1 or args.num_prompts_per_concurrency <= 0 or args.budget_s <= 0:
         parser.error("--concurrencies, --num-prompts-per-concurrency and --budget-s must be positive.")
+    if len({arm_file_name(a) for a in args.arms}) != len(args.arms):
+        parser.error("--arms: two arms would share a log file name (repeated, or differing only in characters "
+                     "outside [A-Za-z0-9_.-]).")
     os.makedirs(args.out_dir, exist_ok=True)
     benchmark_serving.raise_open_files_limit()
     deadline = time.monotonic() + args.budget_s

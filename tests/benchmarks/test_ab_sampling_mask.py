@@ -32,7 +32,7 @@ def test_step_timing_windows_are_parsed_and_the_busiest_is_tabled(tmp_path) -> N
 
     arm = {"arm": "mask", "error": None, "levels": [], "step_timing": windows}
     text = ab.markdown([arm], [64])
-    assert "| mask | 947 | 62.8 | 0.87 | 3.78 | 0.00 | 8.85 | 1.82 | 0.47 | 0.93 | 44% |" in text
+    assert "| mask | 947 | 62.8 | 0.87 | 3.78 | - | 8.85 | 1.82 | 0.47 | 0.93 | 44% |" in text  # no launch.mask
     windows[1]["launch.mask"] = 0.63  # the runner's split of launch (newer logs), when present
     assert "| mask | 947 | 62.8 | 0.87 | 3.78 | 0.63 | 8.85 |" in ab.markdown([arm], [64])
     assert "step timing" not in ab.markdown([{**arm, "step_timing": []}], [64])
@@ -46,7 +46,9 @@ def test_arm_names_with_extra_environment() -> None:
         ["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1",
                                      "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": "0.5", "VLLM_OUTPUT_LISTS_IN_THREAD": "0"})
     assert ab.ARMS["pre-change"][1] == {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"}  # not changed by the call above
-    for bad in ("masks", "mask+FOO=1", "mask+VLLM_X", "no-mask+"):
+    assert ab.arm_spec("mask+VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS=1e+0")[1] == {
+        "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": "1e+0"}  # "+" inside a value
+    for bad in ("masks", "mask+FOO=1", "mask+VLLM_SAMPLING_MASK_TEXT", "no-mask+", "mask+VLLM_NO_SUCH_VAR=1"):
         with pytest.raises(ValueError):
             ab.arm_spec(bad)
     assert ab.arm_file_name("mask+VLLM_X=0.5") == "mask_VLLM_X_0.5"

@@ -128,7 +128,7 @@ def test_engine_core_gil_switch_interval(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS", "0.5")
     with pytest.raises(RuntimeError, match="switch interval 0.000500"):
         _sync_client(SwitchIntervalReportingCore)
-    for bad in ("0", "-1", "fast"):
+    for bad in ("0", "-1", "inf", "fast"):
         monkeypatch.setenv("VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS", bad)
         with pytest.raises(RuntimeError, match="VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS must be"):
             _sync_client(FakeEngineCore)

@@ -70,6 +70,9 @@ def test_seeded_logprobs_and_masks_match(monkeypatch: pytest.MonkeyPatch, lists_
         assert llm.llm_engine.engine_core.engine_core.worker.model_runner.output_copier \
             .lists_in_thread == (lists_in_thread or not flag)
         results[flag] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
+        if flag:  # where the list building was timed: the output thread's phase or the main thread's
+            totals = llm.llm_engine.engine_core.engine_core.step_timer.totals
+            assert (totals["out.lists"] > 0, totals["lists"] > 0) == (lists_in_thread, not lists_in_thread)
     for a, b in zip(results[False], results[True]):
         ca, cb = a.outputs[0], b.outputs[0]
         assert ca.token_ids == cb.token_ids and len(ca.token_ids) == 10

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -241,8 +242,9 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
         try:
             interval_ms = envs.VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS
             if interval_ms is not None:
-                if not interval_ms > 0:
-                    raise ValueError(f"VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS must be > 0, got {interval_ms}")
+                if not (interval_ms > 0 and math.isfinite(interval_ms)):
+                    raise ValueError("VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS must be a finite number > 0, "
+                                     f"got {interval_ms}")
                 sys.setswitchinterval(interval_ms / 1e3)
             if engine_core_factory is None:
                 from vllm.v1.engine.core import EngineCore

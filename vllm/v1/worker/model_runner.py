@@ -183,7 +183,10 @@ class ModelRunner:
         """Launch one step; the returned object's `get_output()` waits for its host-side results."""
         t0 = time.perf_counter()
         self._update_states(so)
+        timer = self.output_copier.timer
         if so.total_num_scheduled_tokens == 0:
+            if timer is not None:
+                timer.add("launch.prep", time.perf_counter() - t0)
             return AsyncModelRunnerOutput.ready(EMPTY_MODEL_RUNNER_OUTPUT)
         num_reqs = len(so.num_scheduled_tokens)
         pad_to = None
@@ -206,7 +209,6 @@ class ModelRunner:
             out = self.sampler(logits, meta)
         t2 = time.perf_counter()
         result = self._finish_step(inputs, out)
-        timer = self.output_copier.timer
         if timer is not None:
             timer.add("launch.prep", t1 - t0)
             timer.add("launch.model", t2 - t1)
