@@ -104,20 +104,20 @@ class AsyncOutputCopier:
             mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=slot)
             if self.timer is not None:
                 self.timer.add("launch.mask", time.perf_counter() - t0)
-        args = (req_ids, samples, event, host_sampled, host_logprobs, mask_copy)
+        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy)  # what the lists are built from
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
-            output, sampled_np = _build_output(*args, wait_timer=self.timer, timer=self.timer)
+            output, sampled_np = _build_output(event, *args, self.timer)
             on_ready(sampled_np)
             return AsyncModelRunnerOutput.ready(output)
         if self.lists_in_thread:
-            future = self._executor.submit(_build_output, *args, wait_timer=self.timer, timer=self.timer)
+            future = self._executor.submit(_build_output, event, *args, self.timer)
             return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
         # NOTE: the lists are built on the caller's thread, inside its wait for the step: timed as `lists`, a
         # phase of that thread (step_timing.py), not as the output thread's out.lists.
         future = self._executor.submit(_wait_copies, event, mask_copy, self.timer)
         return AsyncModelRunnerOutput(future, None, on_ready, keep_alive,
-                                      build=partial(_build_output, *args, timer=self.timer, lists_phase="lists"))
+                                      build=partial(_build_lists, *args, self.timer, "lists"))
 
     def shutdown(self) -> None:
         if self._executor is not None:
@@ -134,12 +134,16 @@ def _wait_copies(event: torch.cuda.Event | None, mask_copy: Any, timer: Any = No
         timer.add("out.event", time.perf_counter() - t0)
 
 
-def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Event | None,
-                  sampled: torch.Tensor, logprobs: Any, mask_copy: Any, *, wait_timer: Any = None,
-                  timer: Any = None, lists_phase: str = "out.lists") -> tuple[ModelRunnerOutput, np.ndarray]:
-    """The step's host lists, after waiting for its copies (timed as out.event into `wait_timer`); the list
-    building is timed as `lists_phase` into `timer`."""
-    _wait_copies(event, mask_copy, wait_timer)
+def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
+                  logprobs: Any, mask_copy: Any, timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
+    """The output thread's job (or the caller's without one): wait for the copies, then build the lists."""
+    _wait_copies(event, mask_copy, timer)
+    return _build_lists(req_ids, samples, sampled, logprobs, mask_copy, timer, "out.lists")
+
+
+def _build_lists(req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor, logprobs: Any, mask_copy: Any,
+                 timer: Any, phase: str) -> tuple[ModelRunnerOutput, np.ndarray]:
+    """The step's host lists from its finished copies, timed as `phase`."""
     t1 = time.perf_counter()
     sampled_np = sampled.numpy()
     sampled_token_ids = [[t] if s else [] for t, s in zip(sampled_np.tolist(), samples.tolist())]
@@ -157,5 +161,5 @@ def _build_output(req_ids: list[str], samples: np.ndarray, event: torch.cuda.Eve
                                sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
                                sampling_mask_text=text)
     if timer is not None:
-        timer.add(lists_phase, time.perf_counter() - t1)
+        timer.add(phase, time.perf_counter() - t1)
     return output, sampled_np

@@ -200,13 +200,20 @@ class ModelRunner:
         meta = self._sampling_metadata(inputs, graph_rows)
         buffers.record_copies()
         t1 = time.perf_counter()
-        out = self._sample_graphed(inputs, meta, graph_rows) if graph_rows is not None else None
+        hidden, out = None, None
+        if graph_rows is not None and self._sampler_graphable(meta, graph_rows):
+            hidden = self._forward_rows(inputs)  # [graph_rows, hidden_size]
+            out = self._sample_graphed(meta, graph_rows, hidden)
         if out is None:
             if graph_rows is not None:
                 meta = meta.narrow(num_reqs)
-            hidden = self._forward(inputs)  # [num_reqs, hidden_size]
-            logits = self.model.compute_logits(hidden).float()  # [num_reqs, V] float32
+            if hidden is None:
+                hidden = self._forward_rows(inputs)
+            last = hidden[:num_reqs] if inputs.num_padded is not None else hidden[inputs.logits_indices]
+            logits = self.model.compute_logits(last).float()  # [num_reqs, V] float32
             out = self.sampler(logits, meta)
+        else:
+            out = _narrow_output(out, num_reqs)
         t2 = time.perf_counter()
         result = self._finish_step(inputs, out)
         if timer is not None:
@@ -215,20 +222,19 @@ class ModelRunner:
             timer.add("launch.out", time.perf_counter() - t2)
         return result
 
-    def _sample_graphed(self, inputs: StepInputs, meta: SamplingMetadata, rows: int) -> SamplerOutput | None:
-        """Forward graph, then the logits + sampler graph over all `rows` padded rows; None when this step's
-        settings cannot be graphed (seeded rows, the general path, the pre-change mask path)."""
-        assert self.sampler_graphs is not None
+    def _sampler_graphable(self, meta: SamplingMetadata, rows: int) -> bool:
+        """Whether this padded step's logits + sampler can run as a sampler graph: not for seeded rows, the
+        general path or the pre-change mask path, and only over a captured forward (or the tests' padded eager
+        forward)."""
         legacy_mask = self.sampler.legacy_sampling_mask and meta.sampling_mask_rows is not None
         if meta.generators or legacy_mask or not fast_path_applies(meta, self.vocab_size):
-            return None
-        if self.use_cuda_graph and rows in self.cudagraphs.graphs:
-            hidden = self.cudagraphs.replay(rows)  # [rows, hidden_size], static
-        elif self.pad_eager_decode:
-            with set_forward_context(inputs.attn_metadata, self.kv_caches):
-                hidden = self.model(inputs.input_ids, inputs.positions)
-        else:
-            return None
+            return False
+        return (self.use_cuda_graph and rows in self.cudagraphs.graphs) or self.pad_eager_decode
+
+    def _sample_graphed(self, meta: SamplingMetadata, rows: int, hidden: torch.Tensor) -> SamplerOutput | None:
+        """The logits + sampler graph over all `rows` padded rows of `hidden` (the forward's static output), or
+        None when the sampler graphs cannot take this step's settings (the caller samples eagerly)."""
+        assert self.sampler_graphs is not None
         key = (meta.all_greedy, meta.all_random, meta.temperature is None, meta.top_p is None, meta.min_p is None,
                meta.max_num_logprobs, meta.max_top_k, meta.sampling_mask_rows is None)
 
@@ -238,21 +244,15 @@ class ModelRunner:
             static_meta = self._padded_metadata(meta).narrow(size)
             return lambda: self.sampler(self.model.compute_logits(static_hidden).float(), static_meta)
 
-        out = self.sampler_graphs.run(rows, key, make_fn)
-        if out is None:
-            # NOTE: the forward already ran; the eager sampler takes its rows.
-            logits = self.model.compute_logits(hidden[:inputs.num_reqs]).float()
-            return self.sampler(logits, meta.narrow(inputs.num_reqs))
-        return _narrow_output(out, inputs.num_reqs)
+        return self.sampler_graphs.run(rows, key, make_fn)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of each request's last scheduled token: [num_reqs, hidden_size]."""
-        n = inputs.num_reqs
+    def _forward_rows(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of every row of the step's inputs: [num_padded or num_actual_tokens, hidden_size] (a
+        captured graph's static output for a padded step of a captured size)."""
         if inputs.num_padded is not None and self.use_cuda_graph and inputs.num_padded in self.cudagraphs.graphs:
-            return self.cudagraphs.replay(inputs.num_padded)[:n]
+            return self.cudagraphs.replay(inputs.num_padded)
         with set_forward_context(inputs.attn_metadata, self.kv_caches):
-            hidden = self.model(inputs.input_ids, inputs.positions)
-        return hidden[:n] if inputs.num_padded is not None else hidden[inputs.logits_indices]
+            return self.model(inputs.input_ids, inputs.positions)
 
     def _finish_step(self, inputs: StepInputs, out: SamplerOutput) -> AsyncModelRunnerOutput:
         batch = self.input_batch
