@@ -5,6 +5,7 @@ gives the real rows the unpadded sampler's tokens, logprobs and masks, eagerly o
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -128,14 +129,20 @@ def test_graph_replay_matches_eager(num_reqs: int) -> None:
 
 
 def _per_request(outputs: list[Any], num_reqs: int) -> list[list[tuple[Any, ...]]]:
-    """Each decode step's (token, logprob ids, logprob values, rank, mask ids) per request id r0..r{n-1}."""
+    """Each decode step's (token, logprob ids, logprob values, rank, mask ids) per request id r0..r{n-1}; when the
+    step carries the masks' JSON text, every row's text must be its ids as JSON."""
     steps = []
     for out in outputs:
-        lp, masks = out.logprobs, out.sampling_masks
+        lp, masks, texts = out.logprobs, out.sampling_masks, out.sampling_mask_text
+        if texts is not None:
+            assert len(texts.offsets) == len(out.req_ids) + 1
         row = []
         for i in range(num_reqs):
             j = out.req_id_to_index[f"r{i}"]
             mask = masks.token_ids[masks.offsets[j]:masks.offsets[j + 1]].tolist() if masks is not None else None
+            if texts is not None:
+                assert bytes(texts.text[texts.offsets[j]:texts.offsets[j + 1]]) == json.dumps(
+                    mask, separators=(",", ":")).encode()
             row.append((out.sampled_token_ids[j], lp.logprob_token_ids[j].tolist(), lp.logprobs[j].tolist(),
                         int(lp.sampled_token_ranks[j]), mask))
         steps.append(row)
@@ -150,7 +157,7 @@ def _per_request(outputs: list[Any], num_reqs: int) -> list[list[tuple[Any, ...]
 @pytest.mark.parametrize("num_reqs", [1, 3])
 def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float) -> None:
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, logprobs=1, max_tokens=16, ignore_eos=True)
-    kwargs = dict(record=False, return_sampling_mask=True, logprobs_mode="processed_logprobs")
+    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
     ref, _ = _runner("cpu", **kwargs)
     padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
     padded.pad_eager_decode = True
@@ -179,7 +186,7 @@ def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (4, 0.9)])
 def test_sampler_graph_matches_eager(top_k: int, top_p: float) -> None:
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, logprobs=1, max_tokens=16, ignore_eos=True)
-    kwargs = dict(record=False, return_sampling_mask=True, logprobs_mode="processed_logprobs")
+    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
     eager, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
     graphs, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
     eager.sampler_graphs = None

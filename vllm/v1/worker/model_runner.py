@@ -6,9 +6,10 @@ of the flat batch. Only rows whose scheduled tokens reach the end of their known
 chunk produces no token, no logprobs and an empty sampling-mask row.
 
 Step shape: prepare inputs (H2D copies) -> forward (a CUDA graph for pure-decode steps, cudagraph.py) -> logits
--> sampler (with the logits, a second CUDA graph for those steps) -> outputs start their way to the host
-(async_output.py). `execute_model_async` returns before the outputs are on the host; the sampled ids stay on the
-device and feed the next step's input ids directly, so the next step can be launched first.
+-> sampler (with the logits and the mask's host-copy packing, a second CUDA graph for those steps) -> outputs
+start their way to the host (async_output.py). `execute_model_async` returns before the outputs are on the host;
+the sampled ids stay on the device and feed the next step's input ids directly, so the next step can be launched
+first.
 
 Invariants:
 - The KV cache has one block more than the scheduler knows of (index num_blocks): the scratch block that the
@@ -44,6 +45,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRun
 from vllm.v1.sample.metadata import ROW_FIELDS, SamplingMetadata
 from vllm.v1.sample.fast_path import fast_path_applies
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.sample.sampling_mask import SamplingMaskTensors
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput, AsyncOutputCopier
 from vllm.v1.worker.cudagraph import CudaGraphManager, SamplerGraphs, resolve_capture_sizes
 from vllm.v1.worker.input_batch import InputBatch
@@ -242,9 +244,17 @@ class ModelRunner:
             # NOTE: what a graph of `size` rows reads: that size's forward output and the buffers' first rows.
             static_hidden = self.cudagraphs.graphs[size][1] if size != rows else hidden
             static_meta = self._padded_metadata(meta).narrow(size)
-            return lambda: self.sampler(self.model.compute_logits(static_hidden).float(), static_meta)
+            return lambda: self._sample_prepacked(self.model.compute_logits(static_hidden).float(), static_meta)
 
         return self.sampler_graphs.run(rows, key, make_fn)
+
+    def _sample_prepacked(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The sampler, and the mask's host-copy layout (SamplingMaskTensors.prepack) in the same graph."""
+        out = self.sampler(logits, meta)
+        mask = out.sampling_mask
+        if isinstance(mask, SamplingMaskTensors):
+            out = replace(out, sampling_mask=mask.prepack(self.output_copier.mask_text))
+        return out
 
     def _forward_rows(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of every row of the step's inputs: [num_padded or num_actual_tokens, hidden_size] (a
@@ -320,6 +330,4 @@ def _narrow_output(out: SamplerOutput, n: int) -> SamplerOutput:
     """The first n rows of a padded step's sampler output (views of the graph's static tensors)."""
     logprobs = None if out.logprobs_tensors is None else LogprobsTensors(*(t[:n] for t in out.logprobs_tensors))
     mask = out.sampling_mask
-    if mask is not None:
-        mask = mask._replace(token_ids=mask.token_ids[:n], packed_mask=mask.packed_mask[:n], counts=mask.counts[:n])
-    return SamplerOutput(out.sampled_token_ids[:n], logprobs, mask)
+    return SamplerOutput(out.sampled_token_ids[:n], logprobs, None if mask is None else mask.narrow(n))
