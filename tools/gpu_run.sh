@@ -18,7 +18,7 @@ fi
 for s in $stages; do
   echo "=== $s $(date +%T)"
   case $s in
-    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
+    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; lscpu | grep -i -e "model name" -e "thread(s) per core" -e "core(s) per socket" -e "^CPU(s)" -e MHz; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
     tests) python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/v1/attention tests/v1/sample tests/models tests/v1/worker} 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
     async) python3 tools/gpu_async_check.py 2>&1 | grep -v Warning | tee "$OUT/async_check.txt" ;;
     graphs) python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_cudagraph.py 2>&1 | tail -3 | tee "$OUT/graph_tests.txt" ;;
