@@ -284,14 +284,14 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
         lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "
                       "ms per step:", "",
                   "| arm | rows | steps/s | schedule | launch | of it, mask copy | wait | update | send "
-                  "| lists (output thread or main) | host busy |",
+                  "| lists (output thread) | host busy |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, w in busiest:
             if w is not None:
                 lines.append(f"| {name} | {w['rows']:.0f} | {w['steps_per_s']:.1f} | "
                              + " | ".join(f"{w[k]:.2f}" if k in w else "-"
                                           for k in ("schedule", "launch", "launch.mask", "wait", "update", "send",
-                                                    "out.lists" if "out.lists" in w else "lists"))
+                                                    "out.lists"))
                              + f" | {w['host_busy_pct']:.0f}% |")
     for a in arms:
         if a["error"]:
@@ -334,7 +334,7 @@ def make_parser() -> argparse.ArgumentParser:
                              "processes, so that one Python frontend is not what the A/B measures.")
     parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, type=_arm_arg,
                         help=f"Arms: {', '.join(ARMS)}, each optionally with +VLLM_NAME=VALUE (extra server "
-                             "environment), e.g. mask+VLLM_OUTPUT_LISTS_IN_THREAD=0.")
+                             "environment), e.g. mask+VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS=0.5.")
     parser.add_argument("--concurrencies", type=int, nargs="+", default=[64, 256, 512, 1024])
     parser.add_argument("--num-prompts-per-concurrency", type=float, default=1.0)
     parser.add_argument("--min-num-prompts", type=int, default=128)

@@ -42,9 +42,9 @@ def test_arm_names_with_extra_environment() -> None:
     import pytest
 
     assert ab.arm_spec("mask") == (["--return-sampling-mask"], {})
-    assert ab.arm_spec("pre-change+VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS=0.5+VLLM_OUTPUT_LISTS_IN_THREAD=0") == (
+    assert ab.arm_spec("pre-change+VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS=0.5+VLLM_SAMPLING_MASK_TEXT=0") == (
         ["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1",
-                                     "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": "0.5", "VLLM_OUTPUT_LISTS_IN_THREAD": "0"})
+                                     "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": "0.5", "VLLM_SAMPLING_MASK_TEXT": "0"})
     assert ab.ARMS["pre-change"][1] == {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"}  # not changed by the call above
     assert ab.arm_spec("mask+VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS=1e+0")[1] == {
         "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": "1e+0"}  # "+" inside a value

@@ -4,9 +4,7 @@ The engine core adds each phase's wall time (perf_counter) to a StepTimer: `inpu
 messages), `schedule`, `launch` (the runner's input preparation and kernel launches), `wait` (blocked on the
 oldest step's output: device time and the output thread not hidden behind host work), `update`
 (update_from_output) and `send` (splitting, packing, encoding and queueing the outputs). The output thread adds
-`out.event` (waiting for the device-to-host copies) and `out.lists` (building the host lists); with
-VLLM_OUTPUT_LISTS_IN_THREAD=0 the main thread builds them inside `wait`, timed as `lists` (counted as host
-work). Parts of `launch`, added by the model runner: `launch.prep` (request states, input and sampling tensors),
+`out.event` (waiting for the device-to-host copies) and `out.lists` (building the host lists). Parts of `launch`, added by the model runner: `launch.prep` (request states, input and sampling tensors),
 `launch.model` (forward and sampler: graph replays or eager launches), `launch.out` (the outputs' device-to-host
 copies queued, the list building handed to the output thread; synchronous scheduling: the wait for the device
 and the lists too), of which `launch.mask` is the sampling mask's share. With the variable
@@ -20,7 +18,7 @@ import time
 from collections import defaultdict
 
 PHASES = ("inputs", "schedule", "launch", "launch.prep", "launch.model", "launch.out", "launch.mask", "wait",
-          "lists", "update", "send", "out.event", "out.lists")
+          "update", "send", "out.event", "out.lists")
 
 
 class StepTimer:
@@ -49,8 +47,7 @@ class StepTimer:
         now = time.perf_counter()
         elapsed, steps = now - self.since, max(self.steps, 1)
         parts = " ".join(f"{p} {1e3 * self.totals[p] / steps:.2f}" for p in PHASES)
-        # NOTE: "a.b" phases are other threads' (out.*) or parts of a phase (launch.*); `lists` is part of `wait`
-        # but main-thread work, so it counts.
+        # NOTE: "a.b" phases are other threads' (out.*) or parts of a phase (launch.*).
         busy = sum(self.totals[p] for p in PHASES if "." not in p and p != "wait")
         line = (f"{self.steps / elapsed:.1f} steps/s, {self.rows / steps:.0f} rows/step, ms/step: {parts}; "
                 f"host busy {100 * busy / elapsed:.0f}%")

@@ -3,9 +3,7 @@
 `AsyncOutputCopier.submit` runs right after the sampler is launched: on CUDA it queues the device-to-host
 copies (sampled ids, logprobs) on a side stream that first waits for the compute stream, records an event,
 starts the sampling mask's own non-blocking copy, and hands the list building to a one-thread executor. The
-caller gets an AsyncModelRunnerOutput at once; `get_output()` blocks until the lists are ready. With
-`lists_in_thread=False` (VLLM_OUTPUT_LISTS_IN_THREAD=0, for performance comparisons) the thread only waits for
-the copies and `get_output()` builds the lists on the caller's thread.
+caller gets an AsyncModelRunnerOutput at once; `get_output()` blocks until the lists are ready.
 
 Invariants:
 - Host buffers are pinned and reused (HostStagingSlot, grown on demand), in two slots used alternately: a slot
@@ -21,7 +19,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -36,11 +33,9 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, future: Future[Any] | None,
                  output: ModelRunnerOutput | None = None, on_ready: Callable[[np.ndarray], None] | None = None,
-                 keep_alive: Any = None, build: Callable[[], tuple[ModelRunnerOutput, np.ndarray]] | None = None
-                 ) -> None:
-        # `future` gives (output, sampled ids), or, with `build`, only says the copies are done.
+                 keep_alive: Any = None) -> None:
+        # `future` gives (output, sampled ids).
         self._future = future
-        self._build = build
         self._output = output
         self._on_ready = on_ready
         self._keep_alive = keep_alive
@@ -52,9 +47,8 @@ class AsyncModelRunnerOutput:
     def get_output(self) -> ModelRunnerOutput:
         if self._output is None:
             assert self._future is not None
-            result = self._future.result()
-            self._output, sampled = self._build() if self._build is not None else result
-            self._future = self._build = None
+            self._output, sampled = self._future.result()
+            self._future = None
             self._keep_alive = None
             if self._on_ready is not None:
                 self._on_ready(sampled)
@@ -63,10 +57,8 @@ class AsyncModelRunnerOutput:
 
 
 class AsyncOutputCopier:
-    def __init__(self, device: torch.device, use_thread: bool, mask_text: bool = False,
-                 lists_in_thread: bool = True) -> None:
+    def __init__(self, device: torch.device, use_thread: bool, mask_text: bool = False) -> None:
         self.device = device
-        self.lists_in_thread = lists_in_thread
         # Also turn the sampling masks into JSON text (on the copy stream), for the API server.
         self.mask_text = mask_text
         on_cuda = device.type == "cuda"
@@ -110,14 +102,8 @@ class AsyncOutputCopier:
             output, sampled_np = _build_output(event, *args, self.timer)
             on_ready(sampled_np)
             return AsyncModelRunnerOutput.ready(output)
-        if self.lists_in_thread:
-            future = self._executor.submit(_build_output, event, *args, self.timer)
-            return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
-        # NOTE: the lists are built on the caller's thread, inside its wait for the step: timed as `lists`, a
-        # phase of that thread (step_timing.py), not as the output thread's out.lists.
-        future = self._executor.submit(_wait_copies, event, mask_copy, self.timer)
-        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive,
-                                      build=partial(_build_lists, *args, self.timer, "lists"))
+        future = self._executor.submit(_build_output, event, *args, self.timer)
+        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
 
     def shutdown(self) -> None:
         if self._executor is not None:
@@ -138,12 +124,6 @@ def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: n
                   logprobs: Any, mask_copy: Any, timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
     """The output thread's job (or the caller's without one): wait for the copies, then build the lists."""
     _wait_copies(event, mask_copy, timer)
-    return _build_lists(req_ids, samples, sampled, logprobs, mask_copy, timer, "out.lists")
-
-
-def _build_lists(req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor, logprobs: Any, mask_copy: Any,
-                 timer: Any, phase: str) -> tuple[ModelRunnerOutput, np.ndarray]:
-    """The step's host lists from its finished copies, timed as `phase`."""
     t1 = time.perf_counter()
     sampled_np = sampled.numpy()
     sampled_token_ids = [[t] if s else [] for t, s in zip(sampled_np.tolist(), samples.tolist())]
@@ -161,5 +141,5 @@ def _build_lists(req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
                                sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
                                sampling_mask_text=text)
     if timer is not None:
-        timer.add(phase, time.perf_counter() - t1)
+        timer.add("out.lists", time.perf_counter() - t1)
     return output, sampled_np
