@@ -54,6 +54,6 @@ def test_step_timer_parts_of_launch_are_reported_but_not_counted_twice() -> None
     line = timer.report()
     assert "launch.model 10000.00" in line and "launch.mask 4000.00" in line and "launch 0.00" in line
     assert line.endswith("host busy 0%")
-    timer.add("lists", 10.0)  # the main thread's list building (inside wait) is host work
+    timer.add("update", 10.0)  # a main-thread phase is host work
     timer.count_step(1)
     assert not timer.report().endswith("host busy 0%")
