@@ -344,3 +344,35 @@ def test_final_only_masks_do_not_keep_the_step_message(tok: Tokenizer) -> None:
                                                  finish_reason=FinishReason.LENGTH)])
     comp = res.request_outputs[0].outputs[0]
     assert comp.sampling_mask is not None and comp.sampling_mask.token_ids == [[3, 9, 11], [4, 7]]
+
+
+def test_delta_stream_holds_only_the_latest_step_masks(tok: Tokenizer) -> None:
+    """A streamed (DELTA) request hands each step's masks and JSON texts on in that step's chunk and keeps only
+    that step's (views of the step's message): earlier steps' messages are not kept alive by it."""
+    from vllm.v1.outputs import SamplingMaskText
+
+    ids = tok.encode(TEXT)[:8]
+    positions = make_positions(ids, tok.vocab_size, num_logprobs=0, seed=21)
+    proc = OutputProcessor(tok, log_stats=False)
+    proc.add_request(make_request("d", [5], output_kind=RequestOutputKind.DELTA), prompt=None)
+    steps = [1, 3, 1, 3]
+    i = 0
+    for s, n in enumerate(steps):
+        chunk = positions[i:i + n]
+        i += n
+        out = make_output("d", chunk, with_logprobs=False,
+                          finish_reason=FinishReason.LENGTH if s == len(steps) - 1 else None)
+        texts = [("[" + ",".join(map(str, p.mask)) + "]").encode() for p in chunk]
+        out.new_sampling_mask_text = SamplingMaskText(
+            np.frombuffer(b"".join(texts), dtype=np.uint8),
+            np.cumsum([0] + [len(t) for t in texts]).astype(np.int64) if n > 1 else None)
+        state = proc.request_states["d"]
+        res = proc.process_outputs([out])
+        comp = res.request_outputs[0].outputs[0]
+        assert comp.token_ids == [p.token_id for p in chunk]
+        assert comp.sampling_mask.token_ids == [p.mask for p in chunk]
+        assert comp.sampling_mask.json_text() == b"[" + b",".join(texts) + b"]"
+        # Only this step's masks are held, as views of this step's message.
+        assert len(state.sampling_masks) == len(state.sampling_mask_texts) == n
+        assert all(np.shares_memory(m, out.new_sampling_mask.token_ids) for m in state.sampling_masks)
+    assert proc.get_num_unfinished_requests() == 0

@@ -148,10 +148,11 @@ class RequestState:
         self.output_kind = self.params.output_kind
         self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor.from_new_request(tokenizer, self.params)
-        # One ascending int32 id array per output token, or None while the engine core sends no masks.
+        # One ascending int32 id array per output token (DELTA: per token of the latest step only), or None while
+        # the engine core sends no masks.
         # NOTE: kept as arrays (views of the step's CSR); SamplingMask turns them into lists only on access.
         self.sampling_masks: list[np.ndarray] | None = None
-        # The same masks as JSON text (uint8), one per output token, when the engine sends them (API server).
+        # The same masks as JSON text (uint8), one per mask above, when the engine sends them (API server).
         self.sampling_mask_texts: list[np.ndarray] | None = None
         self.queue = queue
         self.num_cached_tokens = 0
@@ -172,7 +173,9 @@ class RequestState:
         masks = new_mask.rows()
         # NOTE: the rows are views of the step's message (with several API servers, of a span of the whole
         # step): a request that keeps its masks until it finishes copies its own rows, so that it does not keep
-        # every step's message alive; a streamed (DELTA) request hands them on at once.
+        # every step's message alive; a streamed (DELTA) request hands each step's rows on at once and holds
+        # only the latest step's (holding all of them kept every step's message alive for the request's life:
+        # hundreds of MB per API server at 1024 streams).
         keep = self.output_kind != RequestOutputKind.DELTA
         if keep:
             masks = [m.copy() for m in masks]
@@ -185,16 +188,22 @@ class RequestState:
             if num_before:
                 raise RuntimeError(f"Request {self.request_id}: sampling masks started after {num_before} tokens.")
             self.sampling_masks = []
-        self.sampling_masks.extend(masks[:num_kept])
+        if keep:
+            self.sampling_masks.extend(masks[:num_kept])
+        else:
+            self.sampling_masks = masks[:num_kept]
         if not num_kept:
             return
         if new_text is None:
             self.sampling_mask_texts = None
         elif first or self.sampling_mask_texts is not None:
-            if self.sampling_mask_texts is None:
-                self.sampling_mask_texts = []
             texts = new_text.rows()[:num_kept]
-            self.sampling_mask_texts.extend([t.copy() for t in texts] if keep else texts)
+            if not keep:
+                self.sampling_mask_texts = texts
+            else:
+                if self.sampling_mask_texts is None:
+                    self.sampling_mask_texts = []
+                self.sampling_mask_texts.extend(t.copy() for t in texts)
 
     def make_completion_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                                stop_reason: int | str | None) -> CompletionOutput | None:
