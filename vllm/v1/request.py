@@ -1,7 +1,9 @@
 """Request: the engine core's record of one request (token ids, progress, status).
 
 Invariants: `all_token_ids == prompt_token_ids + output_token_ids`; `num_computed_tokens <= num_tokens`; a
-request samples in a step when the step's tokens bring `num_computed_tokens` up to `num_tokens`.
+request samples in a step when the step's tokens bring `num_computed_tokens` up to `num_tokens`. The flags
+derived from the sampling params (`min_tokens`, `stop_check_token_ids`, `wants_logprobs`,
+`wants_sampling_mask`) are fixed at construction: the params of a request never change.
 """
 
 from __future__ import annotations
@@ -59,10 +61,23 @@ class Request:
         self.max_tokens: int = sampling_params.max_tokens
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
-        self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(prompt_token_ids)
+        # NOTE: plain attributes rather than read-only properties: the scheduler reads (and extends) them for
+        # every running request in every step. Only append_output_token_ids and sched.utils.append_sampled
+        # extend them, always both together.
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Per-request constants the scheduler's per-step loops read instead of the sampling params.
+        self.min_tokens: int = sampling_params.min_tokens
+        # The tokens that stop the request once it has `min_tokens` outputs: stop_token_ids, and EOS unless
+        # ignore_eos (check_stop tells the two apart for stop_reason).
+        stop_ids = set(sampling_params.all_stop_token_ids)
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            stop_ids.add(eos_token_id)
+        self.stop_check_token_ids: frozenset[int] = frozenset(stop_ids)
+        self.wants_logprobs: bool = sampling_params.logprobs is not None
+        self.wants_sampling_mask: bool = sampling_params.return_sampling_mask is not False
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
@@ -75,26 +90,18 @@ class Request:
         )
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self._output_token_ids
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self._all_token_ids
-
-    @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
+        return len(self.output_token_ids)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
-        self._output_token_ids.extend(token_ids)
-        self._all_token_ids.extend(token_ids)
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

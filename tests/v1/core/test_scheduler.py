@@ -112,6 +112,56 @@ def test_decode_one_token_per_step(make_scheduler: MakeScheduler, request_factor
     assert reqs[1].output_token_ids == reference_tokens(reqs[1], 6)
 
 
+def test_decode_allocates_a_block_only_at_block_boundaries(make_scheduler: MakeScheduler,
+                                                            request_factory: MakeRequest, fake_runner: Any) -> None:
+    # Blocks of 4 tokens. a's 3-token prompt fills 3 slots of its first block, b's 4-token prompt fills its first.
+    sched = make_scheduler(block_size=4)
+    a = request_factory("a", 3, max_tokens=12)
+    b = request_factory("b", 4, max_tokens=12)
+    sched.add_request(a)
+    sched.add_request(b)
+    runner = fake_runner(sched)
+    out, _ = runner.step()
+    assert [len(r.block_ids) for r in out.scheduled_new_reqs] == [1, 1]
+    # Each decode step computes the token at position num_computed_tokens; it needs a new block exactly when
+    # that position is a multiple of 4: a computes positions 3, 4, 5, ..., b computes 4, 5, 6, ...
+    new_blocks: dict[str, list[int]] = {"a": [], "b": []}
+    for _ in range(10):
+        out, _ = runner.step()
+        cached = out.scheduled_cached_reqs
+        assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+        for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
+            new_blocks[req_id].append(len(blocks))
+    assert new_blocks["a"] == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert new_blocks["b"] == [1, 0, 0, 0, 1, 0, 0, 0, 1, 0]
+    assert len(sched.kv_cache_manager.get_block_ids("a")) == 4  # 3 + 10 tokens computed (13 slots)
+    assert len(sched.kv_cache_manager.get_block_ids("b")) == 4  # 4 + 10 tokens computed (14 slots)
+
+
+def test_decode_at_a_block_boundary_preempts_when_the_pool_is_empty(make_scheduler: MakeScheduler,
+                                                                    request_factory: MakeRequest,
+                                                                    fake_runner: Any) -> None:
+    # 3 blocks of 4 tokens: a (3-token prompt) and b (4-token prompt) take one each after the first step.
+    sched = make_scheduler(block_size=4, num_blocks=3, max_model_len=12)
+    a = request_factory("a", 3, max_tokens=8)
+    b = request_factory("b", 4, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    runner = fake_runner(sched)
+    runner.step()
+    # a's token 3 still fits its block; b's token 4 takes the last free block.
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1} and out.finished_req_ids == set()
+    assert out.scheduled_cached_reqs.new_block_ids == [[], sched.kv_cache_manager.get_block_ids("b")[1:]]
+    assert sched.kv_cache_manager.get_num_free_blocks() == 0
+    # a's token 4 needs a second block: none is free, so b (the last running) is preempted.
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 1} and out.finished_req_ids == {"b"}
+    assert b.status == RequestStatus.PREEMPTED and list(sched.waiting) == [b]
+    assert len(out.scheduled_cached_reqs.new_block_ids[0]) == 1
+    assert sched.kv_cache_manager.get_num_free_blocks() == 1
+
+
 def test_preempts_last_running_request(make_scheduler: MakeScheduler, request_factory: MakeRequest,
                                        fake_runner: Any) -> None:
     # 7 blocks of 4 tokens; three 8-token prompts take 6 blocks.

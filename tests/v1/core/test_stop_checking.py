@@ -10,7 +10,7 @@ import pytest
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.sched.utils import check_stop
+from vllm.v1.core.sched.utils import append_sampled, check_stop
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import Request, RequestStatus
 
@@ -47,6 +47,17 @@ CASES = [
     ([6, 4, 6, 4], {"stop_token_ids": [6], "min_tokens": 2}, [6, 4, 6], FinishReason.STOP, 6),
     ([5, 6, 7, 8], {"max_tokens": 2}, [5, 6], FinishReason.LENGTH, None),
     ([5, EOS, 7], {"max_tokens": 2}, [5, EOS], FinishReason.STOP, None),  # stop wins on the last allowed token
+    # A stop token that is exactly the min_tokens-th output stops; one before it does not.
+    ([5, 6, 7, 8], {"stop_token_ids": [7], "min_tokens": 3}, [5, 6, 7], FinishReason.STOP, 7),
+    ([7, 5, 7, 8], {"stop_token_ids": [7], "min_tokens": 3}, [7, 5, 7], FinishReason.STOP, 7),
+    ([5, EOS, 6, EOS], {"min_tokens": 3}, [5, EOS, 6, EOS], FinishReason.STOP, None),
+    # EOS that is also a stop token reports EOS (no stop reason), unless ignore_eos makes it a plain stop token.
+    ([5, EOS, 6], {"stop_token_ids": [EOS]}, [5, EOS], FinishReason.STOP, None),
+    ([5, EOS, 6], {"stop_token_ids": [EOS], "ignore_eos": True}, [5, EOS], FinishReason.STOP, EOS),
+    # A stop token that is also the last allowed (min_tokens == max_tokens) reports STOP.
+    ([5, 6, 7, 8], {"stop_token_ids": [7], "min_tokens": 3, "max_tokens": 3}, [5, 6, 7], FinishReason.STOP, 7),
+    ([5, 6, 8, 7], {"stop_token_ids": [7], "min_tokens": 3, "max_tokens": 3}, [5, 6, 8], FinishReason.LENGTH,
+     None),
 ]
 
 
@@ -86,3 +97,48 @@ def test_check_stop_length_and_stop_token() -> None:
     req = Request("s", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_id=EOS)
     req.append_output_token_ids(4)
     assert check_stop(req, max_model_len=4) and req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_append_sampled_without_stop_appends_a_copy() -> None:
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[9]), eos_token_id=EOS)
+    sampled = [4, 5, 6]
+    new, finished = append_sampled(req, sampled, max_model_len=100)
+    assert new == [4, 5, 6] and new is not sampled and not finished
+    assert req.output_token_ids == [4, 5, 6] and req.all_token_ids == [1, 2, 3, 4, 5, 6]
+    assert req.status == RequestStatus.WAITING and req.stop_reason is None
+
+
+@pytest.mark.parametrize("sampled,params,max_model_len,kept,status,stop_reason", [
+    # Several tokens in one step (as with speculative decoding): everything after the finishing token is dropped.
+    ([4, 9, 5], {"stop_token_ids": [9]}, 100, [4, 9], RequestStatus.FINISHED_STOPPED, 9),
+    ([4, EOS, 9], {"stop_token_ids": [9]}, 100, [4, EOS], RequestStatus.FINISHED_STOPPED, None),
+    ([4, EOS, 9], {"stop_token_ids": [9], "ignore_eos": True}, 100, [4, EOS, 9], RequestStatus.FINISHED_STOPPED, 9),
+    # min_tokens=2: the first 9 (output 1) is kept, the second (output 3) stops.
+    ([9, 4, 9, 5], {"stop_token_ids": [9], "min_tokens": 2}, 100, [9, 4, 9], RequestStatus.FINISHED_STOPPED, 9),
+    ([4, 5, 6, 7], {"max_tokens": 2}, 100, [4, 5], RequestStatus.FINISHED_LENGTH_CAPPED, None),
+    # 3 prompt tokens + 2 outputs reach max_model_len 5.
+    ([4, 5, 6, 7], {}, 5, [4, 5], RequestStatus.FINISHED_LENGTH_CAPPED, None),
+    ([4, 5], {"max_tokens": 2}, 100, [4, 5], RequestStatus.FINISHED_LENGTH_CAPPED, None),
+    ([4, 5], {"stop_token_ids": [9]}, 100, [4, 5], RequestStatus.WAITING, None),
+])
+def test_append_sampled_cuts_at_the_finishing_token(sampled: list[int], params: dict[str, Any], max_model_len: int,
+                                                    kept: list[int], status: RequestStatus,
+                                                    stop_reason: int | None) -> None:
+    params.setdefault("max_tokens", 10)
+    req = Request("r", [1, 2, 3], SamplingParams(**params), eos_token_id=EOS)
+    new, finished = append_sampled(req, sampled, max_model_len)
+    assert new == kept == req.output_token_ids and req.all_token_ids == [1, 2, 3] + kept
+    assert finished == (status != RequestStatus.WAITING)
+    assert req.status == status and req.stop_reason == stop_reason
+
+
+def test_append_sampled_counts_earlier_outputs() -> None:
+    # min_tokens and max_tokens count all outputs, not just this step's.
+    req = Request("r", [1], SamplingParams(max_tokens=5, min_tokens=3, stop_token_ids=[9]), eos_token_id=EOS)
+    assert append_sampled(req, [9, 4], max_model_len=100) == ([9, 4], False)
+    assert append_sampled(req, [9, 9], max_model_len=100) == ([9], True)
+    assert req.output_token_ids == [9, 4, 9] and req.stop_reason == 9
+    req = Request("s", [1], SamplingParams(max_tokens=5), eos_token_id=EOS)
+    assert append_sampled(req, [4, 5, 6], max_model_len=100) == ([4, 5, 6], False)
+    assert append_sampled(req, [7, 8, 9], max_model_len=100) == ([7, 8], True)
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED

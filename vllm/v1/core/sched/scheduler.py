@@ -26,10 +26,15 @@ import numpy as np
 from vllm.config import VllmConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.core.sched.utils import check_stop
+from vllm.v1.core.sched.utils import append_sampled
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from vllm.v1.outputs import ModelRunnerOutput, StepLogprobs, StepMasks
 from vllm.v1.request import Request, RequestStatus
+
+# NOTE: module constants because an enum member looked up on its class costs ~60 ns, in loops over requests.
+_RUNNING = RequestStatus.RUNNING
+# Statuses above this one are finished (RequestStatus.is_finished, inlined in update_from_output's loop).
+_LAST_UNFINISHED = RequestStatus.PREEMPTED
 
 
 class Scheduler:
@@ -116,41 +121,71 @@ class Scheduler:
         scheduled: list[Request] = []
         num_preempted = 0
 
+        # NOTE: the running loop runs for every running request in every step, so its lookups are hoisted.
+        running = self.running
+        # NOTE: the base _num_new_tokens is inlined below (a call less per running request); an override is called.
+        num_new_tokens_of = None if type(self)._num_new_tokens is Scheduler._num_new_tokens else self._num_new_tokens
+        max_model_len = self.max_model_len
+        kv_cache_manager = self.kv_cache_manager
+        req_to_blocks = kv_cache_manager.req_to_blocks
+        block_size = self.block_size
+        append_scheduled = scheduled.append
+        append_cached_id = cached_reqs.req_ids.append
+        append_cached_blocks = cached_reqs.new_block_ids.append
+        append_cached_computed = cached_reqs.num_computed_tokens.append
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
-            num_new_tokens = self._num_new_tokens(request, token_budget)
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            num_computed_tokens = request.num_computed_tokens
+            if num_new_tokens_of is None:
+                num_new_tokens = len(request.all_token_ids) - num_computed_tokens
+                if num_new_tokens > token_budget:
+                    num_new_tokens = token_budget
+                if num_new_tokens > max_model_len - num_computed_tokens:
+                    num_new_tokens = max_model_len - num_computed_tokens
+            else:
+                num_new_tokens = num_new_tokens_of(request, token_budget)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
-            while True:
-                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-                if new_block_ids is not None:
+            req_id = request.request_id
+            blocks = req_to_blocks.get(req_id)
+            if blocks is not None and num_computed_tokens + num_new_tokens <= len(blocks) * block_size:
+                # NOTE: the decode fast path: the held blocks already have room for the new tokens (a request
+                # holds cdiv(n, block_size) blocks), so allocate_slots would allocate nothing and return [].
+                new_block_ids: list[int] | None = []
+            else:
+                while True:
+                    new_block_ids = kv_cache_manager.allocate_slots(request, num_new_tokens)
+                    if new_block_ids is not None:
+                        break
+                    preempted = running.pop()
+                    self._preempt(preempted)
+                    num_preempted += 1
+                    if preempted is request:
+                        break
+                if new_block_ids is None:
                     break
-                preempted = self.running.pop()
-                self._preempt(preempted)
-                num_preempted += 1
-                if preempted is request:
-                    break
-            if new_block_ids is None:
-                break
-            scheduled.append(request)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            cached_reqs.req_ids.append(request.request_id)
-            cached_reqs.new_block_ids.append(new_block_ids)
-            cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            append_scheduled(request)
+            num_scheduled_tokens[req_id] = num_new_tokens
+            append_cached_id(req_id)
+            append_cached_blocks(new_block_ids)
+            append_cached_computed(num_computed_tokens)
+            # NOTE: advanced here, after its old value went into the output; preemption only takes requests
+            # after this one in `running`, never one already scheduled.
+            request.num_computed_tokens = num_computed_tokens + num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
 
         if num_preempted == 0:
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and token_budget > 0 and len(running) < self.max_num_seqs:
                 request = self.waiting[0]
                 num_new_tokens = self._num_new_tokens(request, token_budget)
                 assert num_new_tokens > 0
-                if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                if kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                     break
                 self.waiting.popleft()
-                self.running.append(request)
+                running.append(request)
                 request.status = RequestStatus.RUNNING
                 scheduled.append(request)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
@@ -159,13 +194,14 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=list(request.output_token_ids),
                     sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    block_ids=kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                 ))
+                request.num_computed_tokens += num_new_tokens
                 token_budget -= num_new_tokens
 
         total_num_scheduled_tokens = self.max_num_batched_tokens - token_budget
-        assert len(self.running) <= self.max_num_seqs
+        assert len(running) <= self.max_num_seqs
         assert total_num_scheduled_tokens == sum(num_scheduled_tokens.values())
         self._update_after_schedule(scheduled, num_scheduled_tokens)
         self._step_num_preemptions = num_preempted
@@ -181,19 +217,21 @@ class Scheduler:
         return scheduler_output
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        """Tokens to compute for `request` this step (<= 0: none)."""
+        """Tokens to compute for `request` this step (<= 0: none): its uncomputed tokens, capped by the budget
+        and by max_model_len. (Inlined in schedule's running loop: keep the two the same.)"""
         return min(request.num_tokens - request.num_computed_tokens, token_budget,
                    self.max_model_len - request.num_computed_tokens)
 
     def _update_after_schedule(self, scheduled: list[Request], num_scheduled_tokens: dict[str, int]) -> None:
-        for request in scheduled:
-            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        """Hook for subclasses, run once per step after scheduling: every request in `scheduled` has had its
+        `num_computed_tokens` advanced by its `num_scheduled_tokens`. The base scheduler has nothing left to do."""
 
     def _accept_sampled(self, request: Request, sampled: list[int]) -> bool:
         """Whether a step's sampled tokens for `request` become its output tokens."""
         # NOTE: a partial prefill has num_computed_tokens < num_tokens; anything it sampled is discarded.
-        return (request.status == RequestStatus.RUNNING and bool(sampled)
-                and request.num_computed_tokens >= request.num_tokens)
+        # (Inlined in update_from_output: keep the two the same.)
+        return (request.status == _RUNNING and bool(sampled)
+                and request.num_computed_tokens >= len(request.all_token_ids))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -209,62 +247,62 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         logprobs = model_runner_output.logprobs
         sampling_masks = model_runner_output.sampling_masks
-        mask_text = model_runner_output.sampling_mask_text
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         # NOTE: no per-request slices of logprobs or masks: the rows stay in the step's arrays (StepLogprobs,
-        # StepMasks), with per output its index, its first position in the step and its position count.
-        lp_out: list[int] = []
-        lp_first: list[int] = []
-        lp_num: list[int] = []
-        mask_out: list[int] = []
-        mask_first: list[int] = []
-        mask_num: list[int] = []
-        mask_top_k: list[int] = []
-        lp_cu = logprobs.cu_num_generated_tokens if logprobs is not None else None
-        cu = sampling_masks.cu_num_generated_tokens if sampling_masks is not None else None
+        # StepMasks). The loop records per output only its runner row, its token count and its request; which
+        # outputs carry logprobs or masks is sorted out with numpy after it (_step_rows).
+        track_rows = logprobs is not None or sampling_masks is not None
+        out_rows: list[int] = []
+        out_nums: list[int] = []
+        out_reqs: list[Request] = []
 
+        # NOTE: this loop runs for every scheduled request in every step, so its lookups are hoisted.
+        get_request = self.requests.get
+        req_id_to_index = model_runner_output.req_id_to_index
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        # NOTE: the base _accept_sampled is inlined below (a call less per request); an override is called.
+        accept_sampled = None if type(self)._accept_sampled is Scheduler._accept_sampled else self._accept_sampled
+        max_model_len = self.max_model_len
+        append_output = outputs.append
+        append_row, append_num, append_req = out_rows.append, out_nums.append, out_reqs.append
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
+            request = get_request(req_id)
+            if request is None:
+                continue
+            status = request.status
+            if status > _LAST_UNFINISHED:
                 # Aborted (or otherwise finished) after this step was scheduled.
                 continue
-            req_idx = model_runner_output.req_id_to_index[req_id]
-            sampled = model_runner_output.sampled_token_ids[req_idx]
-            was_running = request.status == RequestStatus.RUNNING
-            if not self._accept_sampled(request, sampled):
+            req_idx = req_id_to_index[req_id]
+            sampled = sampled_token_ids[req_idx]
+            was_running = status == _RUNNING
+            if accept_sampled is None:
+                if not (was_running and sampled and request.num_computed_tokens >= len(request.all_token_ids)):
+                    continue
+            elif not accept_sampled(request, sampled):
                 continue
 
-            new_token_ids: list[int] = []
-            for token_id in sampled:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                if check_stop(request, self.max_model_len):
-                    break
-            num_new = len(new_token_ids)
-            params = request.sampling_params
-
-            if logprobs is not None and params.logprobs is not None:
-                lp_out.append(len(outputs))
-                lp_first.append(lp_cu[req_idx] if lp_cu is not None else req_idx)
-                lp_num.append(num_new)
-            if sampling_masks is not None and params.return_sampling_mask is not False:
-                mask_out.append(len(outputs))
-                mask_first.append(cu[req_idx] if cu is not None else req_idx)
-                mask_num.append(num_new)
-                mask_top_k.append(params.top_k)
-
-            if request.is_finished():
+            new_token_ids, finished = append_sampled(request, sampled, max_model_len)
+            if track_rows:
+                append_row(req_idx)
+                append_num(len(new_token_ids))
+                append_req(request)
+            if finished:
                 stopped.append(request)
                 if not was_running:
                     self.waiting.remove(request)
-            outputs.append(EngineCoreOutput(
-                request_id=req_id,
-                new_token_ids=new_token_ids,
-                finish_reason=request.get_finished_reason(),
-                stop_reason=request.stop_reason,
-                num_cached_tokens=0,
-            ))
+                append_output(EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=0,
+                ))
+            else:
+                # NOTE: an unfinished request has no finish reason and no stop reason (only check_stop sets one,
+                # when it finishes the request); the other fields keep their defaults.
+                append_output(EngineCoreOutput(req_id, new_token_ids))
 
         if stopped:
             for request in stopped:
@@ -273,22 +311,12 @@ class Scheduler:
             gone = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in gone]
 
-        step_logprobs = None
-        if lp_out:
-            assert logprobs is not None
-            step_logprobs = StepLogprobs(logprobs, np.array(lp_out, dtype=np.int64),
-                                         np.array(lp_first, dtype=np.int64), np.array(lp_num, dtype=np.int64))
-        step_masks = None
+        step_logprobs = step_masks = None
         mask_sizes: list[int] = []
         num_overflow_rows = 0
-        if mask_out:
-            assert sampling_masks is not None
-            step_masks = StepMasks(sampling_masks, mask_text, np.array(mask_out, dtype=np.int64),
-                                   np.array(mask_first, dtype=np.int64), np.array(mask_num, dtype=np.int64))
-            sizes = step_masks.sizes()
-            top_k = np.repeat(np.array(mask_top_k, dtype=np.int64), step_masks.num_pos)
-            num_overflow_rows = int(((top_k > 0) & (sizes > top_k)).sum())
-            mask_sizes = sizes.tolist()
+        if out_rows:
+            step_logprobs, step_masks, mask_sizes, num_overflow_rows = self._step_rows(
+                model_runner_output, out_rows, out_nums, out_reqs)
         aborted = self._aborted_req_ids or None
         self._aborted_req_ids = set()
         return EngineCoreOutputs(
@@ -298,6 +326,44 @@ class Scheduler:
             step_logprobs=step_logprobs,
             step_masks=step_masks,
         )
+
+    @staticmethod
+    def _step_rows(model_runner_output: ModelRunnerOutput, out_rows: list[int], out_nums: list[int],
+                   out_reqs: list[Request]) -> tuple[StepLogprobs | None, StepMasks | None, list[int], int]:
+        """The step's logprobs and masks with the positions each output carries, the mask sizes of the carried
+        positions and how many of them overflow their request's top_k.
+
+        Output r (in output order) got `out_nums[r]` tokens from runner row `out_rows[r]`, for request
+        `out_reqs[r]`; it carries logprobs when the step has them and its request wants them, and masks
+        likewise. Its first position is `cu_num_generated_tokens[row]` (the row itself without it).
+        """
+        logprobs = model_runner_output.logprobs
+        sampling_masks = model_runner_output.sampling_masks
+        rows = np.array(out_rows, dtype=np.int64)
+        nums = np.array(out_nums, dtype=np.int64)
+        step_logprobs = step_masks = None
+        if logprobs is not None:
+            out_index = np.flatnonzero(np.array([r.wants_logprobs for r in out_reqs], dtype=bool))
+            out_index = out_index.astype(np.int64, copy=False)
+            if len(out_index):
+                step_logprobs = StepLogprobs(logprobs, out_index,
+                                             _first_positions(logprobs.cu_num_generated_tokens, rows[out_index]),
+                                             nums[out_index])
+        mask_sizes: list[int] = []
+        num_overflow_rows = 0
+        if sampling_masks is not None:
+            out_index = np.flatnonzero(np.array([r.wants_sampling_mask for r in out_reqs], dtype=bool))
+            out_index = out_index.astype(np.int64, copy=False)
+            if len(out_index):
+                step_masks = StepMasks(sampling_masks, model_runner_output.sampling_mask_text, out_index,
+                                       _first_positions(sampling_masks.cu_num_generated_tokens, rows[out_index]),
+                                       nums[out_index])
+                sizes = step_masks.sizes()
+                top_k = np.array([out_reqs[r].sampling_params.top_k for r in out_index.tolist()], dtype=np.int64)
+                top_k = np.repeat(top_k, step_masks.num_pos)
+                num_overflow_rows = int(((top_k > 0) & (sizes > top_k)).sum())
+                mask_sizes = sizes.tolist()
+        return step_logprobs, step_masks, mask_sizes, num_overflow_rows
 
     def make_stats(self, sampling_mask_sizes: list[int] | None = None,
                    num_sampling_mask_overflow_rows: int = 0) -> SchedulerStats:
@@ -310,3 +376,10 @@ class Scheduler:
             sampling_mask_sizes=sampling_mask_sizes if sampling_mask_sizes is not None else [],
             num_sampling_mask_overflow_rows=num_sampling_mask_overflow_rows,
         )
+
+
+def _first_positions(cu_num_generated_tokens: list[int] | np.ndarray | None, rows: np.ndarray) -> np.ndarray:
+    """[len(rows)] int64: the first position of each runner row (the row itself when each row has one)."""
+    if cu_num_generated_tokens is None:
+        return rows
+    return np.asarray(cu_num_generated_tokens, dtype=np.int64)[rows]
