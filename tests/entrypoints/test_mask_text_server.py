@@ -1,7 +1,7 @@
 """`vllm serve --return-sampling-mask` with VLLM_SAMPLING_MASK_TEXT=1 (the default: masks formatted as JSON text by
 the engine and spliced into streamed chunks) and =0 (the API server formats the ids): the streamed masks equal
 those of the same seeded request without streaming (built from the id arrays), and every token is inside its
-mask."""
+mask; the same for streamed chat completions."""
 
 from __future__ import annotations
 
@@ -41,3 +41,32 @@ def test_streamed_text_masks_equal_the_id_masks(text_server: RemoteServer) -> No
     assert masks == full["sampling_mask"]
     for token_id, mask in zip(token_ids, masks):
         assert token_id in mask and mask == sorted(set(mask)) and len(mask) <= 40
+
+
+def test_streamed_chat_masks_equal_the_id_masks(text_server: RemoteServer) -> None:
+    url = f"{text_server.url}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 10, "temperature": 1.0, "top_k": 30,
+            "top_p": 0.9, "seed": 5, "ignore_eos": True, "return_token_ids": True, "logprobs": True}
+    full = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    resp = httpx.post(url, json={**body, "stream": True}, timeout=120)
+    assert resp.status_code == 200
+    token_ids: list[int] = []
+    masks: list[list[int]] = []
+    contents: list[str] = []
+    for line in resp.text.split("\n\n"):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[len("data: "):])
+        assert chunk["object"] == "chat.completion.chunk"
+        for choice in chunk["choices"]:
+            if choice["delta"].get("role") == "assistant":
+                assert choice["sampling_mask"] is None
+                continue
+            assert len(choice["token_ids"]) == len(choice["sampling_mask"]) == len(choice["logprobs"]["content"])
+            token_ids += choice["token_ids"]
+            masks += choice["sampling_mask"]
+            contents.append(choice["delta"]["content"])
+    assert token_ids == full["token_ids"] and len(token_ids) == 10
+    assert masks == full["sampling_mask"] and "".join(contents) == full["message"]["content"]
+    for token_id, mask in zip(token_ids, masks):
+        assert token_id in mask and mask == sorted(set(mask)) and len(mask) <= 30

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import msgspec
+
 from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
@@ -105,9 +107,18 @@ class OpenAIServingChat(OpenAIServing):
                     stop_reason=c.stop_reason,
                     logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
                     if request.logprobs else None,
-                    token_ids=list(c.token_ids) if request.return_token_ids else None,
-                    sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
-                yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice]))
+                    token_ids=list(c.token_ids) if request.return_token_ids else None)
+                chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])
+                text = c.sampling_mask.json_text() if c.sampling_mask is not None else None
+                if text is None:
+                    choice.sampling_mask = c.sampling_mask.token_ids if c.sampling_mask is not None else None
+                    yield sse(chunk)
+                else:
+                    # NOTE: the engine's JSON text of the masks goes in as it is (as in streamed completions),
+                    # instead of hundreds of Python ints per token through pydantic.
+                    body = chunk.model_dump()
+                    body["choices"][0]["sampling_mask"] = msgspec.Raw(text)
+                    yield sse(body)
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                               total_tokens=num_prompt + num_completion)
