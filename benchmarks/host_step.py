@@ -5,7 +5,12 @@ What it isolates: the part of a serving step that the engine-core process spends
 GPU does. The model runner output is synthetic and built once (one sampled token, logprobs=1, a mask of
 `--mask-size` ids per row with its JSON text), so the numbers are the scheduler and transport cost alone.
 
-    python benchmarks/host_step.py --num-reqs 1024 --clients 1 4 [--cprofile]
+    python benchmarks/host_step.py --num-reqs 1024 --clients 1 4 [--async-scheduling] [--cprofile]
+
+`--async-scheduling` runs AsyncScheduler the way the engine's two-deep batch queue does: each step schedules
+step N+1 while step N is in flight, then processes step N's output. Every request then has one output
+placeholder when it is scheduled (two after) and two when its output is processed (one after), so the timed
+steps take the placeholder paths of schedule() and update_from_output() that serving takes.
 
 Prints the median ms per step for each (arm, clients) and the mask arm's extra cost; `--json-out` writes them.
 """
@@ -26,6 +31,7 @@ import numpy as np
 
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core_proc import EngineCoreProc
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText
@@ -74,12 +80,13 @@ def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.rando
                              sampling_masks=masks, sampling_mask_text=texts)
 
 
-def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: str | None) -> dict:
+def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: str | None,
+        async_scheduling: bool = False) -> dict:
     config = VllmConfig(model_config=ModelConfig(model=_model_dir(), max_model_len=100_000),
                         cache_config=CacheConfig(block_size=16),
                         scheduler_config=SchedulerConfig(max_num_seqs=num_reqs,
                                                          max_num_batched_tokens=max(8192, num_reqs * 8)))
-    sched = Scheduler(config, num_reqs * 64)
+    sched = (AsyncScheduler if async_scheduling else Scheduler)(config, num_reqs * 64)
     proc = _SinkProc(num_clients)
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=512, logprobs=1, max_tokens=100_000,
                             ignore_eos=True, return_sampling_mask=mask or None)
@@ -89,7 +96,12 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
         proc.client_of[req_id] = i % num_clients
     rng = np.random.default_rng(0)
     out = sched.schedule()  # the prefill step
-    sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng))
+    in_flight = None
+    if async_scheduling:
+        # NOTE: the prefill step stays in flight, so each timed step schedules the next one before processing it.
+        in_flight = out
+    else:
+        sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng))
     runner_output = None
     times: dict[str, list[float]] = {"schedule": [], "update": [], "send": [], "total": []}
     profiler = cProfile.Profile() if profile else None
@@ -99,7 +111,10 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
             profiler.enable()
         out = sched.schedule()
         t1 = time.perf_counter()
+        if in_flight is not None:
+            out, in_flight = in_flight, out
         if runner_output is None:
+            # NOTE: one output for every step: each schedules all requests, so the rows are the same.
             runner_output = _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng)
         outputs = sched.update_from_output(out, runner_output)
         t2 = time.perf_counter()
@@ -108,6 +123,9 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
         if step >= 2:  # two warm-up steps
             for key, dt in (("schedule", t1 - t0), ("update", t2 - t1), ("send", t3 - t2), ("total", t3 - t0)):
                 times[key].append(dt)
+    if async_scheduling:
+        # The timed steps took the placeholder paths: the last scheduled step is still in flight for every request.
+        assert len(sched.running) == num_reqs and all(sched.num_output_placeholders(r) == 1 for r in sched.running)
     if profiler:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
@@ -123,6 +141,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--mask-size", type=int, default=512)
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="AsyncScheduler, one step in flight while the next is scheduled (the engine's order).")
     parser.add_argument("--cprofile", action="store_true", help="Print a cProfile of the mask arm's steps.")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
@@ -133,7 +153,8 @@ def main() -> None:
         for clients in args.clients:
             by_arm = {}
             for mask in (False, True):
-                r = run(n, clients, mask, args.steps, args.mask_size, "mask" if args.cprofile and mask else None)
+                r = run(n, clients, mask, args.steps, args.mask_size, "mask" if args.cprofile and mask else None,
+                        args.async_scheduling)
                 arm = "mask" if mask else "no-mask"
                 by_arm[arm] = r
                 rows.append({"num_reqs": n, "clients": clients, "arm": arm, **r})

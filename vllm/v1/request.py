@@ -1,9 +1,12 @@
 """Request: the engine core's record of one request (token ids, progress, status).
 
-Invariants: `all_token_ids == prompt_token_ids + output_token_ids`; `num_computed_tokens <= num_tokens`; a
-request samples in a step when the step's tokens bring `num_computed_tokens` up to `num_tokens`. The flags
+Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
+`num_computed_tokens <= num_tokens + num_output_placeholders`; a request samples in a step when the step's
+tokens bring `num_computed_tokens` up to `num_tokens + num_output_placeholders`. The flags
 derived from the sampling params (`min_tokens`, `stop_check_token_ids`, `wants_logprobs`,
 `wants_sampling_mask`) are fixed at construction: the params of a request never change.
+`num_output_placeholders` is the number of scheduled steps, not yet processed, in which the request samples
+(AsyncScheduler's output placeholders); it stays 0 under the synchronous Scheduler, which never changes it.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Request:
         self.stop_reason: int | str | None = None
         assert sampling_params.max_tokens is not None, "max_tokens is resolved by the input processor"
         self.max_tokens: int = sampling_params.max_tokens
+        # The token count (prompt and outputs) at which max_tokens finishes the request.
+        self.max_num_tokens: int = len(prompt_token_ids) + self.max_tokens
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
         # NOTE: plain attributes rather than read-only properties: the scheduler reads (and extends) them for
@@ -67,6 +72,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # NOTE: an attribute of the request rather than a dict in AsyncScheduler: schedule() and
+        # update_from_output() read and write it for every scheduled request in every step.
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         # Per-request constants the scheduler's per-step loops read instead of the sampling params.
         self.min_tokens: int = sampling_params.min_tokens

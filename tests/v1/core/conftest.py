@@ -46,14 +46,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def make_scheduler(model_dir: str) -> Callable[..., Scheduler]:
     def make(max_num_seqs: int = 16, max_num_batched_tokens: int = 64, max_model_len: int = 128,
-             block_size: int = 4, num_blocks: int = 1000) -> Scheduler:
+             block_size: int = 4, num_blocks: int = 1000, cls: type[Scheduler] = Scheduler) -> Scheduler:
         config = VllmConfig(
             model_config=ModelConfig(model=model_dir, max_model_len=max_model_len),
             cache_config=CacheConfig(block_size=block_size),
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens),
         )
-        return Scheduler(config, num_blocks)
+        return cls(config, num_blocks)
 
     return make
 

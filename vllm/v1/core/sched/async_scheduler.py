@@ -13,49 +13,25 @@ Invariants (on top of Scheduler's):
 - A request preempted while one of its steps is in flight gets that step's token when it arrives (possibly
   finishing it while it waits); it is resumed only after that (preemption blocks admission in its own step).
 - A request whose in-flight tokens reach max_tokens or max_model_len is not scheduled again: they finish it.
+- A request's sampled tokens never outnumber its placeholders (asserted): it samples only in steps it was
+  expected to.
+
+The count is `Request.num_output_placeholders`, and Scheduler's own schedule() and update_from_output() loops
+keep it (under `tracks_output_placeholders`): no per-request method call or dict lookup, since every running
+request is scheduled and processed in every step.
 """
 
 from __future__ import annotations
 
-from vllm.config import VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
 
 class AsyncScheduler(Scheduler):
-    def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int) -> None:
-        super().__init__(vllm_config, num_gpu_blocks)
-        self._num_output_placeholders: dict[str, int] = {}
+    # NOTE: the placeholder accounting is Scheduler's (see its module docstring), switched on by this flag; an
+    # override of _num_new_tokens or _accept_sampled here would be called per request instead of inlined.
+    tracks_output_placeholders = True
 
-    def num_output_placeholders(self, request: Request) -> int:
-        return self._num_output_placeholders.get(request.request_id, 0)
-
-    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        placeholders = self.num_output_placeholders(request)
-        if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
-                             or request.num_tokens + placeholders >= self.max_model_len):
-            return 0
-        return min(request.num_tokens + placeholders - request.num_computed_tokens, token_budget,
-                   self.max_model_len - request.num_computed_tokens)
-
-    def _update_after_schedule(self, scheduled: list[Request], num_scheduled_tokens: dict[str, int]) -> None:
-        super()._update_after_schedule(scheduled, num_scheduled_tokens)
-        for request in scheduled:
-            placeholders = self.num_output_placeholders(request)
-            if request.num_computed_tokens == request.num_tokens + placeholders:
-                self._num_output_placeholders[request.request_id] = placeholders + 1
-
-    def _accept_sampled(self, request: Request, sampled: list[int]) -> bool:
-        if not sampled:
-            return False
-        placeholders = self.num_output_placeholders(request) - len(sampled)
-        assert placeholders >= 0, f"request {request.request_id!r} sampled in a step it was not expected to"
-        if placeholders:
-            self._num_output_placeholders[request.request_id] = placeholders
-        else:
-            self._num_output_placeholders.pop(request.request_id, None)
-        return request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
-
-    def _free_request(self, request: Request) -> None:
-        self._num_output_placeholders.pop(request.request_id, None)
-        super()._free_request(request)
+    @staticmethod
+    def num_output_placeholders(request: Request) -> int:
+        return request.num_output_placeholders

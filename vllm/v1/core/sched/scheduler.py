@@ -14,6 +14,11 @@ Invariants:
 - The runner is told (through `finished_req_ids`) about every request it holds that finished, was aborted or
   was preempted, in the next SchedulerOutput; it is never told about a request it never saw.
 - `num_computed_tokens` is advanced in `schedule()`; the runner receives the value from before the step.
+
+Output placeholders (async scheduling) are handled here too, under the class flag `tracks_output_placeholders`
+(AsyncScheduler sets it; its module docstring states their invariants): with it, schedule() counts a request's
+placeholders as tokens and adds one for each step in which the request samples, and update_from_output() takes
+them back as the sampled tokens arrive. Without it every request's `num_output_placeholders` stays 0.
 """
 
 from __future__ import annotations
@@ -33,11 +38,16 @@ from vllm.v1.request import Request, RequestStatus
 
 # NOTE: module constants because an enum member looked up on its class costs ~60 ns, in loops over requests.
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 # Statuses above this one are finished (RequestStatus.is_finished, inlined in update_from_output's loop).
 _LAST_UNFINISHED = RequestStatus.PREEMPTED
 
 
 class Scheduler:
+    # NOTE: a class-level flag rather than overrides of _num_new_tokens/_update_after_schedule/_accept_sampled:
+    # the base versions are inlined in the per-request loops, so AsyncScheduler pays no method call per request.
+    tracks_output_placeholders = False
+
     def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int) -> None:
         scheduler_config = vllm_config.scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -125,6 +135,7 @@ class Scheduler:
         running = self.running
         # NOTE: the base _num_new_tokens is inlined below (a call less per running request); an override is called.
         num_new_tokens_of = None if type(self)._num_new_tokens is Scheduler._num_new_tokens else self._num_new_tokens
+        tracks_placeholders = self.tracks_output_placeholders
         max_model_len = self.max_model_len
         kv_cache_manager = self.kv_cache_manager
         req_to_blocks = kv_cache_manager.req_to_blocks
@@ -137,8 +148,19 @@ class Scheduler:
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             num_computed_tokens = request.num_computed_tokens
+            # The request's tokens as the runner will have them: its own and its placeholders (0 when not tracked).
+            num_tokens = len(request.all_token_ids)
+            if tracks_placeholders:
+                placeholders = request.num_output_placeholders
+                if placeholders:
+                    num_tokens += placeholders
+                    # NOTE: max_num_tokens (prompt + max_tokens) tests num_output_tokens + placeholders >= max_tokens.
+                    if num_tokens >= max_model_len or num_tokens >= request.max_num_tokens:
+                        # Its in-flight tokens finish it: not scheduled again.
+                        req_index += 1
+                        continue
             if num_new_tokens_of is None:
-                num_new_tokens = len(request.all_token_ids) - num_computed_tokens
+                num_new_tokens = num_tokens - num_computed_tokens
                 if num_new_tokens > token_budget:
                     num_new_tokens = token_budget
                 if num_new_tokens > max_model_len - num_computed_tokens:
@@ -173,7 +195,11 @@ class Scheduler:
             append_cached_computed(num_computed_tokens)
             # NOTE: advanced here, after its old value went into the output; preemption only takes requests
             # after this one in `running`, never one already scheduled.
-            request.num_computed_tokens = num_computed_tokens + num_new_tokens
+            num_computed_tokens += num_new_tokens
+            request.num_computed_tokens = num_computed_tokens
+            if tracks_placeholders and num_computed_tokens == num_tokens:
+                # It samples in this step: one more placeholder.
+                request.num_output_placeholders += 1
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -198,6 +224,9 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                 ))
                 request.num_computed_tokens += num_new_tokens
+                if tracks_placeholders and (request.num_computed_tokens
+                                            == len(request.all_token_ids) + request.num_output_placeholders):
+                    request.num_output_placeholders += 1
                 token_budget -= num_new_tokens
 
         total_num_scheduled_tokens = self.max_num_batched_tokens - token_budget
@@ -217,19 +246,34 @@ class Scheduler:
         return scheduler_output
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        """Tokens to compute for `request` this step (<= 0: none): its uncomputed tokens, capped by the budget
-        and by max_model_len. (Inlined in schedule's running loop: keep the two the same.)"""
-        return min(request.num_tokens - request.num_computed_tokens, token_budget,
+        """Tokens to compute for `request` this step (<= 0: none): its uncomputed tokens (placeholders count as
+        tokens), capped by the budget and by max_model_len; none when its placeholders already reach max_tokens or
+        max_model_len (they finish it). (Inlined in schedule's running loop: keep the two the same.)"""
+        placeholders = request.num_output_placeholders
+        if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
+                             or request.num_tokens + placeholders >= self.max_model_len):
+            return 0
+        return min(request.num_tokens + placeholders - request.num_computed_tokens, token_budget,
                    self.max_model_len - request.num_computed_tokens)
 
     def _update_after_schedule(self, scheduled: list[Request], num_scheduled_tokens: dict[str, int]) -> None:
         """Hook for subclasses, run once per step after scheduling: every request in `scheduled` has had its
-        `num_computed_tokens` advanced by its `num_scheduled_tokens`. The base scheduler has nothing left to do."""
+        `num_computed_tokens` advanced by its `num_scheduled_tokens` (and, when placeholders are tracked, its
+        `num_output_placeholders` by one if it samples in the step). The base scheduler has nothing left to do."""
 
     def _accept_sampled(self, request: Request, sampled: list[int]) -> bool:
-        """Whether a step's sampled tokens for `request` become its output tokens."""
+        """Whether a step's sampled tokens for `request` become its output tokens; when placeholders are tracked,
+        also takes back the request's placeholders for them. (Inlined in update_from_output: keep the two the
+        same.)"""
+        if self.tracks_output_placeholders:
+            if not sampled:
+                return False
+            placeholders = request.num_output_placeholders - len(sampled)
+            assert placeholders >= 0, f"request {request.request_id!r} sampled in a step it was not expected to"
+            request.num_output_placeholders = placeholders
+            # NOTE: a request preempted while the step was in flight gets its token too.
+            return request.status in (_RUNNING, _PREEMPTED)
         # NOTE: a partial prefill has num_computed_tokens < num_tokens; anything it sampled is discarded.
-        # (Inlined in update_from_output: keep the two the same.)
         return (request.status == _RUNNING and bool(sampled)
                 and request.num_computed_tokens >= len(request.all_token_ids))
 
@@ -263,6 +307,7 @@ class Scheduler:
         sampled_token_ids = model_runner_output.sampled_token_ids
         # NOTE: the base _accept_sampled is inlined below (a call less per request); an override is called.
         accept_sampled = None if type(self)._accept_sampled is Scheduler._accept_sampled else self._accept_sampled
+        tracks_placeholders = self.tracks_output_placeholders
         max_model_len = self.max_model_len
         append_output = outputs.append
         append_row, append_num, append_req = out_rows.append, out_nums.append, out_reqs.append
@@ -278,7 +323,16 @@ class Scheduler:
             sampled = sampled_token_ids[req_idx]
             was_running = status == _RUNNING
             if accept_sampled is None:
-                if not (was_running and sampled and request.num_computed_tokens >= len(request.all_token_ids)):
+                if tracks_placeholders:
+                    if not sampled:
+                        continue
+                    placeholders = request.num_output_placeholders - len(sampled)
+                    assert placeholders >= 0, f"request {req_id!r} sampled in a step it was not expected to"
+                    request.num_output_placeholders = placeholders
+                    # NOTE: a request preempted while this step was in flight gets its token too.
+                    if not (was_running or status == _PREEMPTED):
+                        continue
+                elif not (was_running and sampled and request.num_computed_tokens >= len(request.all_token_ids)):
                     continue
             elif not accept_sampled(request, sampled):
                 continue
