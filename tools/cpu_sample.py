@@ -1,7 +1,7 @@
 """Per-thread CPU use of this machine's python processes, sampled every --interval s (for serving profiles).
 
-Prints, per interval, the busiest threads: CPU % of one core, the % of the interval it waited for a CPU while
-runnable (the kernel's schedstat: run queue delay, i.e. CPU contention, which GIL waits are not), pid, thread
+Prints, per interval, the busiest threads: CPU % of one core, of it the kernel's (system time: syscalls such
+as socket writes, page faults), the % of the interval it waited for a CPU while runnable (the kernel's schedstat: run queue delay, i.e. CPU contention, which GIL waits are not), pid, thread
 name, and the process's arguments. Runs until killed. Used by tools/gpu_run.sh (CPU_SAMPLE=1) next to a benchmark.
 """
 
@@ -12,7 +12,7 @@ import os
 import time
 
 
-def snapshot() -> dict[tuple[int, int], tuple[int, str, str, int]]:
+def snapshot() -> dict[tuple[int, int], tuple[int, int, str, str, int]]:
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -32,7 +32,7 @@ def snapshot() -> dict[tuple[int, int], tuple[int, str, str, int]]:
                         runq_ns = int(f.read().split()[1])
                 except (OSError, IndexError, ValueError):
                     runq_ns = 0
-                out[(int(pid), int(tid))] = (int(fields[11]) + int(fields[12]), name, cmd, runq_ns)
+                out[(int(pid), int(tid))] = (int(fields[11]) + int(fields[12]), int(fields[12]), name, cmd, runq_ns)
         except (OSError, ValueError):
             continue
     return out
@@ -49,17 +49,19 @@ def main() -> None:
         time.sleep(args.interval)
         cur, t_cur = snapshot(), time.monotonic()
         rows = []
-        for key, (ticks, name, cmd, runq_ns) in cur.items():
+        for key, (ticks, sys_ticks, name, cmd, runq_ns) in cur.items():
             if key in prev:
                 pct = 100.0 * (ticks - prev[key][0]) / hz / (t_cur - t_prev)
-                runq = 100.0 * (runq_ns - prev[key][3]) / 1e9 / (t_cur - t_prev)
+                sys_pct = 100.0 * (sys_ticks - prev[key][1]) / hz / (t_cur - t_prev)
+                runq = 100.0 * (runq_ns - prev[key][4]) / 1e9 / (t_cur - t_prev)
                 if pct >= 1.0:
-                    rows.append((pct, runq, key[0], name, cmd))
+                    rows.append((pct, sys_pct, runq, key[0], name, cmd))
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
-        print(f"--- {time.strftime('%H:%M:%S')} total {total:.0f}% of one core (cpu%, runq wait%)", flush=True)
-        for pct, runq, pid, name, cmd in rows[:args.top]:
-            print(f"{pct:6.1f}% {runq:5.1f}% {pid:>7} {name:<16} {cmd[:100]}", flush=True)
+        print(f"--- {time.strftime('%H:%M:%S')} total {total:.0f}% of one core (cpu%, of it sys%, runq wait%)",
+              flush=True)
+        for pct, sys_pct, runq, pid, name, cmd in rows[:args.top]:
+            print(f"{pct:6.1f}% {sys_pct:5.1f}% {runq:5.1f}% {pid:>7} {name:<16} {cmd[:100]}", flush=True)
         prev, t_prev = cur, t_cur
 
 

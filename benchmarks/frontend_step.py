@@ -1,0 +1,175 @@
+"""One API server's host work per engine step, without a device or sockets: what `vllm serve` does with one
+OUTPUTS message for its share of a step's requests, mask off and on.
+
+What it isolates: the part of a streamed /v1/completions token that an API server process spends in Python,
+from the engine core's frames to the SSE bytes: `decode` (msgpack with the zero-copy mask frames, and the
+step-level arrays cut per output), `process` (OutputProcessor: tokens, logprobs, masks, one RequestOutput per
+request into its collector) and `chunks` (each stream takes its output and builds its SSE chunk: the choice dict,
+logprobs, the mask's JSON text spliced in, msgspec encoding). The frames are the engine core's real ones
+(`EngineCoreProc.send_outputs` of a scheduler step, as in host_step.py), for `--clients` API servers of which
+this is the first; like in the A/B, requests stream (DELTA), with logprobs=1, and no tokenizer
+(`--skip-tokenizer-init`).
+
+    python benchmarks/frontend_step.py --num-reqs 1024 --clients 4 [--cprofile]
+
+Prints the median ms per step of each part for each arm and the mask arm's extra cost per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from host_step import _model_dir, _runner_output  # noqa: E402 (benchmarks/ is the script's folder)
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.entrypoints.openai.protocol import CompletionRequest
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import sse
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine.core_proc import EngineCoreProc
+from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+from vllm.v1.request import Request
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+
+class _CaptureProc(EngineCoreProc):
+    """EngineCoreProc's output path with the sockets replaced by a list of each client's frames."""
+
+    def __init__(self, num_clients: int) -> None:  # noqa: super().__init__ would open sockets
+        self.output_sockets = [None] * num_clients
+        self.client_of = {}
+        self.aborted_client = {}
+        self.encoder = MsgpackEncoder()
+        self.frames: list[list[Any]] = [[] for _ in range(num_clients)]
+
+    def send(self, kind: bytes, payload: Any, client: int = 0) -> None:
+        # NOTE: copied, as the receiving side's ZMQ frames are (the engine's views are of its own step arrays).
+        self.frames[client] = [bytes(f) for f in self.encoder.encode_frames(payload)]
+
+
+class _Engine:
+    """What OpenAIServing reads from its engine."""
+
+    tokenizer = None
+
+    class model_config:  # noqa: N801
+        max_model_len = 100_000
+
+
+def _params(mask: bool) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_p=0.95, top_k=512, logprobs=1, max_tokens=100_000, ignore_eos=True,
+                          return_sampling_mask=mask or None, output_kind=RequestOutputKind.DELTA)
+
+
+def engine_frames(num_reqs: int, num_clients: int, mask: bool, mask_size: int) -> tuple[list[Any], list[str]]:
+    """The first client's frames of one decode step of `num_reqs` running requests, and that client's ids."""
+    config = VllmConfig(model_config=ModelConfig(model=_model_dir(), max_model_len=100_000),
+                        cache_config=CacheConfig(block_size=16),
+                        scheduler_config=SchedulerConfig(max_num_seqs=num_reqs,
+                                                         max_num_batched_tokens=max(8192, num_reqs * 8)))
+    sched = Scheduler(config, max(num_reqs * 64, 100_000 // 16 + 1))  # room for one max_model_len request
+    proc = _CaptureProc(num_clients)
+    for i in range(num_reqs):
+        req_id = f"cmpl-{i:08x}-0"
+        sched.add_request(Request(req_id, list(range(3, 3 + 8)), _params(mask), None))
+        proc.client_of[req_id] = i % num_clients
+    rng = np.random.default_rng(0)
+    out = sched.schedule()  # the prefill step
+    sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng))
+    out = sched.schedule()
+    proc.send_outputs(sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size,
+                                                                   rng)))
+    return proc.frames[0], [r for r, c in proc.client_of.items() if c == 0]
+
+
+def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: bool) -> dict:
+    frames, req_ids = engine_frames(num_reqs, num_clients, mask, mask_size)
+    decoder = MsgpackDecoder(EngineCoreOutputs)
+    serving = OpenAIServingCompletion(_Engine(), ["model"])  # type: ignore[arg-type]
+    request = CompletionRequest(model="model", prompt=[3, 4, 5], max_tokens=100_000, temperature=1.0, top_p=0.95,
+                                top_k=512, logprobs=1, stream=True, ignore_eos=True)
+    proc = OutputProcessor(None, log_stats=False)
+    collectors: dict[str, RequestOutputCollector] = {}
+    for req_id in req_ids:
+        collectors[req_id] = RequestOutputCollector(RequestOutputKind.DELTA)
+        proc.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=list(range(3, 3 + 8)),
+                                           sampling_params=_params(mask), eos_token_id=None), None,
+                         collectors[req_id])
+    times: dict[str, list[float]] = {"decode": [], "process": [], "chunks": [], "total": []}
+    profiler = cProfile.Profile() if profile else None
+    num_bytes = 0
+    for step in range(steps + 2):
+        if profiler and step == 2:
+            profiler.enable()
+        t0 = time.perf_counter()
+        outputs = decoder.decode(frames[0], frames[1:])
+        t1 = time.perf_counter()
+        processed = proc.process_outputs(outputs.outputs)
+        assert not processed.reqs_to_abort
+        t2 = time.perf_counter()
+        num_bytes = 0
+        for req_id in req_ids:
+            out = collectors[req_id].get_nowait()
+            c = out.outputs[0]
+            if mask:
+                assert c.sampling_mask is not None and len(c.sampling_mask) == len(c.token_ids) == 1
+            choice = serving._choice(request, 0, out, c, 0, raw_mask=True)
+            event = sse(serving._chunk("cmpl-x", 0, "model", [choice]))
+            num_bytes += len(event)
+            if step == 0:  # what a client receives: one token, its logprobs and (mask arm) its mask of ids
+                sent = json.loads(event[len("data: "):])["choices"][0]
+                assert len(sent["logprobs"]["tokens"]) == 1
+                masks = sent["sampling_mask"]
+                assert masks is None if not mask else (len(masks) == 1 and len(masks[0]) == mask_size
+                                                       and masks[0] == sorted(masks[0]))
+        t3 = time.perf_counter()
+        if step >= 2:  # two warm-up steps
+            for key, dt in (("decode", t1 - t0), ("process", t2 - t1), ("chunks", t3 - t2), ("total", t3 - t0)):
+                times[key].append(dt)
+    if profiler:
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+    result = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    result["outputs"] = len(req_ids)
+    result["kb_per_step"] = (sum(len(f) for f in frames) + num_bytes) / 1e3
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-reqs", type=int, default=1024, help="Running requests of the whole engine.")
+    parser.add_argument("--clients", type=int, default=4, help="API servers; this one gets every clients-th.")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--mask-size", type=int, default=512)
+    parser.add_argument("--cprofile", action="store_true", help="Print a cProfile of the mask arm's steps.")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    if min(args.num_reqs, args.clients, args.steps, args.mask_size) < 1 or args.clients > args.num_reqs:
+        parser.error("--num-reqs, --clients, --steps and --mask-size must be positive, --clients <= --num-reqs.")
+    results = []
+    print(f"{'reqs':>5} {'clients':>7} {'arm':>7} {'decode':>8} {'process':>8} {'chunks':>8} {'total ms':>9} "
+          f"{'us/token':>9} {'kB/step':>9}")
+    for mask in (False, True):
+        r = run(args.num_reqs, args.clients, mask, args.steps, args.mask_size, args.cprofile and mask)
+        r.update(num_reqs=args.num_reqs, clients=args.clients, arm="mask" if mask else "no-mask")
+        results.append(r)
+        print(f"{args.num_reqs:>5} {args.clients:>7} {r['arm']:>7} {r['decode']:8.2f} {r['process']:8.2f} "
+              f"{r['chunks']:8.2f} {r['total']:9.2f} {1e3 * r['total'] / r['outputs']:9.1f} {r['kb_per_step']:9.0f}")
+    extra = 1e3 * (results[1]["total"] - results[0]["total"]) / results[0]["outputs"]
+    print(f"mask extra per token: {extra:.1f} us")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
