@@ -18,6 +18,9 @@ Invariants:
 - The server's whole process group (API server and engine core) is gone before the next arm starts.
 - --budget-s bounds the whole run: each arm gets an equal share of the time left when it starts, spread over
   its levels through benchmark_serving's --level-timeout (a level cut short still reports tokens/s so far).
+- With --rounds N every arm runs N times, the arm order reversed every other round (A B, B A, ...: drift of the
+  machine falls on both sides); the table shows each level's median over the rounds and the ratios of those
+  medians, then every round's own ratios (arms of one round ran minutes apart, rounds further apart).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import re
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -181,10 +185,10 @@ def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeou
     return benchmark_serving.make_parser().parse_args(argv)
 
 
-def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float) -> dict[str, Any]:
+def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix: str = "") -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = os.path.join(args.out_dir, f"server_{arm_file_name(arm)}.log")
+    log_path = os.path.join(args.out_dir, f"server_{arm_file_name(arm)}{log_suffix}.log")
     result: dict[str, Any] = {"arm": arm, "error": None, "levels": [], "server_log": log_path}
     t0 = time.monotonic()
     proc = start_server(args, arm, port, log_path)
@@ -257,7 +261,41 @@ def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> str:
     return f"{num['output_throughput'] / den['output_throughput']:.3f}"
 
 
-def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
+def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One result per arm (in the first round's order) from the arms' results of every round: each level's
+    output throughput, TTFT and TPOT medians are medians over the rounds that have the level (its per-round
+    throughputs kept in `round_throughputs`), truncated if any round was, masks_ok if every round's was; the
+    step-timing windows of all rounds together; an arm that failed in any round carries that round's error."""
+    if len(rounds) == 1:
+        return rounds[0]
+    combined = []
+    for first in rounds[0]:
+        runs = [next(a for a in r if a["arm"] == first["arm"]) for r in rounds]
+        levels = []
+        for level in first["levels"]:
+            c = level.get("concurrency")
+            got = [lv for lv in (_level(a, c) for a in runs) if lv is not None]
+            if not got:
+                levels.append(level)
+                continue
+            merged = dict(got[0])
+            for key in ("output_throughput", "ttft_ms_median", "tpot_ms_median"):
+                values = [lv[key] for lv in got if lv.get(key) is not None]
+                merged[key] = statistics.median(values) if values else None
+            merged["round_throughputs"] = [lv["output_throughput"] for lv in got]
+            merged["truncated"] = any(lv["truncated"] for lv in got)
+            merged["masks_ok"] = (None if all(lv["masks_ok"] is None for lv in got)
+                                  else all(lv["masks_ok"] in (None, True) for lv in got))
+            levels.append(merged)
+        errors = [a["error"] for a in runs if a["error"]]
+        combined.append({"arm": first["arm"], "error": errors[0] if errors else None, "levels": levels,
+                         "step_timing": [w for a in runs for w in a.get("step_timing") or []],
+                         "server_logs": [a["server_log"] for a in runs]})
+    return combined
+
+
+def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
+             rounds: list[list[dict[str, Any]]] | None = None) -> str:
     names = [a["arm"] for a in arms]
     by_name = {a["arm"]: a for a in arms}
     ratio_arms = [n for n in names if n != "no-mask"] if "no-mask" in by_name else []
@@ -279,6 +317,15 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int]) -> str:
         no_mask = _level(by_name["no-mask"], c) if ratio_arms else None
         ratios = "".join(f" {_ratio(_level(by_name[n], c), no_mask)} |" for n in ratio_arms)
         lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
+    if rounds is not None and len(rounds) > 1 and ratio_arms:
+        lines += ["", f"Medians over {len(rounds)} rounds (arm order reversed every other round); each round's own "
+                      "ratios:", ""]
+        for c in concurrencies:
+            per_round = []
+            for r in rounds:
+                by = {a["arm"]: a for a in r}
+                per_round.append(" ".join(_ratio(_level(by[n], c), _level(by["no-mask"], c)) for n in ratio_arms))
+            lines.append(f"- c={c}: " + ", ".join(per_round))
     busiest = [(a["arm"], _busiest(a)) for a in arms]
     if any(w is not None for _, w in busiest):
         lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "
@@ -349,6 +396,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=240.0, help="Seconds to wait for a server's /health.")
     parser.add_argument("--level-timeout", type=float, default=90.0, help="Most seconds per concurrency level.")
     parser.add_argument("--budget-s", type=float, default=420.0, help="Wall-time budget of the whole A/B.")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Run every arm this many times, the arm order reversed every other round; the table "
+                             "reports medians over the rounds.")
     parser.add_argument("--out-dir", default="out/ab")
     parser.add_argument("--cprofile-dir", default=None,
                         help="Profile each arm's server processes with cProfile into DIR/<arm> (slows them down).")
@@ -358,8 +408,8 @@ def make_parser() -> argparse.ArgumentParser:
 def main() -> None:
     parser = make_parser()
     args = parser.parse_args()
-    if min(args.concurrencies) < 1 or args.num_prompts_per_concurrency <= 0 or args.budget_s <= 0:
-        parser.error("--concurrencies, --num-prompts-per-concurrency and --budget-s must be positive.")
+    if min(args.concurrencies) < 1 or args.num_prompts_per_concurrency <= 0 or args.budget_s <= 0 or args.rounds < 1:
+        parser.error("--concurrencies, --num-prompts-per-concurrency, --budget-s and --rounds must be positive.")
     if len({arm_file_name(a) for a in args.arms}) != len(args.arms):
         parser.error("--arms: two arms would share a log file name (repeated, or differing only in characters "
                      "outside [A-Za-z0-9_.-]).")
@@ -367,16 +417,23 @@ def main() -> None:
     benchmark_serving.raise_open_files_limit()
     deadline = time.monotonic() + args.budget_s
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    arms: list[dict[str, Any]] = []
-    for i, arm in enumerate(args.arms):
-        share = (deadline - time.monotonic()) / (len(args.arms) - i)
-        log(f"=== arm {arm} ({share:.0f}s of the budget)")
-        arms.append(run_arm(args, arm, time.monotonic() + share))
+    rounds: list[list[dict[str, Any]]] = []
+    num_runs = args.rounds * len(args.arms)
+    for r in range(args.rounds):
+        order = list(args.arms) if r % 2 == 0 else list(reversed(args.arms))
+        results = []
+        for arm in order:
+            share = (deadline - time.monotonic()) / (num_runs - r * len(args.arms) - len(results))
+            log(f"=== arm {arm}" + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else "")
+                + f" ({share:.0f}s of the budget)")
+            results.append(run_arm(args, arm, time.monotonic() + share, f"_r{r + 1}" if args.rounds > 1 else ""))
+        rounds.append(sorted(results, key=lambda a: args.arms.index(a["arm"])))
+    arms = combine_rounds(rounds)
     title = (f"{os.path.basename(args.model.rstrip('/'))}, in {args.input_len} / out {args.output_len}, "
              f"T={args.temperature} top_p={args.top_p} top_k={args.top_k} logprobs={args.logprobs}")
-    table = markdown(arms, args.concurrencies)
+    table = markdown(arms, args.concurrencies, rounds)
     with open(os.path.join(args.out_dir, "ab_sampling_mask.json"), "w") as f:
-        json.dump({"args": vars(args), "arms": arms}, f, indent=2)
+        json.dump({"args": vars(args), "arms": arms, "rounds": rounds if args.rounds > 1 else None}, f, indent=2)
     with open(os.path.join(args.out_dir, "ab_sampling_mask.md"), "w") as f:
         f.write(f"# Sampling-mask serving A/B\n\n{title}\n\n{table}\n")
     written = "json,md"

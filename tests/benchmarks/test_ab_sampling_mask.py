@@ -52,3 +52,28 @@ def test_arm_names_with_extra_environment() -> None:
         with pytest.raises(ValueError):
             ab.arm_spec(bad)
     assert ab.arm_file_name("mask+VLLM_X=0.5") == "mask_VLLM_X_0.5"
+
+
+def _arm(name: str, throughputs: dict[int, float], error: str | None = None) -> dict:
+    levels = [{"concurrency": c, "output_throughput": t, "ttft_ms_median": t / 100, "tpot_ms_median": 1.0,
+               "truncated": c == 8 and name == "mask", "masks_ok": True if name == "mask" else None}
+              for c, t in throughputs.items()]
+    return {"arm": name, "error": error, "levels": levels, "step_timing": [], "server_log": f"{name}.log"}
+
+
+def test_rounds_are_combined_into_medians_with_each_rounds_ratios() -> None:
+    rounds = [[_arm("no-mask", {4: 100.0, 8: 200.0}), _arm("mask", {4: 90.0, 8: 150.0})],
+              [_arm("no-mask", {4: 110.0, 8: 180.0}), _arm("mask", {4: 100.0, 8: 190.0})],
+              [_arm("no-mask", {4: 120.0, 8: 220.0}), _arm("mask", {4: 80.0, 8: 170.0}, error="boom")]]
+    arms = ab.combine_rounds(rounds)
+    assert [a["arm"] for a in arms] == ["no-mask", "mask"]
+    mask_4 = ab._level(arms[1], 4)
+    assert mask_4["output_throughput"] == 90.0 and mask_4["round_throughputs"] == [90.0, 100.0, 80.0]
+    assert mask_4["ttft_ms_median"] == 0.9 and not mask_4["truncated"] and mask_4["masks_ok"] is True
+    assert ab._level(arms[1], 8)["truncated"] and ab._level(arms[0], 8)["output_throughput"] == 200.0
+    assert arms[1]["error"] == "boom" and arms[0]["error"] is None
+    table = ab.markdown(arms, [4, 8], rounds)
+    # The table's ratio is the ratio of the medians (90 / 110, 170 / 200); each round's own ratio follows.
+    assert "| 0.818 |" in table and "| 0.850 |" in table
+    assert "- c=4: 0.900, 0.909, 0.667" in table and "- c=8: 0.750, 1.056, 0.773" in table
+    assert ab.combine_rounds(rounds[:1]) is rounds[0]
