@@ -255,10 +255,10 @@ def _level(arm: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
     return None
 
 
-def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> str:
-    if num is None or den is None or not den["output_throughput"]:
+def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None, key: str = "output_throughput") -> str:
+    if num is None or den is None or not den.get(key) or num.get(key) is None:
         return "-"
-    return f"{num['output_throughput'] / den['output_throughput']:.3f}"
+    return f"{num[key] / den[key]:.3f}"
 
 
 def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -279,7 +279,7 @@ def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 levels.append(level)
                 continue
             merged = dict(got[0])
-            for key in ("output_throughput", "ttft_ms_median", "tpot_ms_median"):
+            for key in ("output_throughput", "steady_output_throughput", "ttft_ms_median", "tpot_ms_median"):
                 values = [lv[key] for lv in got if lv.get(key) is not None]
                 merged[key] = statistics.median(values) if values else None
             merged["round_throughputs"] = [lv["output_throughput"] for lv in got]
@@ -317,6 +317,20 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
         no_mask = _level(by_name["no-mask"], c) if ratio_arms else None
         ratios = "".join(f" {_ratio(_level(by_name[n], c), no_mask)} |" for n in ratio_arms)
         lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
+    if any(lv.get("steady_output_throughput") is not None for a in arms for lv in a["levels"]):
+        lines += ["", "Steady state: output tokens/s in the middle 60% of each level (its ramp-up and drain left out):",
+                  "", "| concurrency | " + " | ".join(names) + " |" + "".join(f" {n} / no-mask |" for n in ratio_arms),
+                  "|---:|" + "---:|" * (len(names) + len(ratio_arms))]
+        for c in concurrencies:
+            cells = []
+            for a in arms:
+                lv = _level(a, c)
+                value = None if lv is None else lv.get("steady_output_throughput")
+                cells.append("-" if value is None else f"{value:.0f}")
+            no_mask = _level(by_name["no-mask"], c) if ratio_arms else None
+            ratios = "".join(f" {_ratio(_level(by_name[n], c), no_mask, 'steady_output_throughput')} |"
+                             for n in ratio_arms)
+            lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
     if rounds is not None and len(rounds) > 1 and ratio_arms:
         lines += ["", f"Medians over {len(rounds)} rounds (arm order reversed every other round); each round's own "
                       "ratios:", ""]

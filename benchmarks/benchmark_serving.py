@@ -203,11 +203,26 @@ def summarize(records: list[RequestRecord], start: float, end: float, concurrenc
     counted = [r for r in done if r.usage_tokens is not None and r.chunk_tokens > 0]
     mask_reqs = [r for r in done if r.has_mask]
     errors = [r.error for r in records if r.error is not None and r.error != "timeout"]
+    # Steady state: the tokens received in the middle 60% of the level (its ramp-up and drain left out), each
+    # request's tokens spread evenly over [its first token, its end].
+    lo, hi = start + 0.2 * duration, end - 0.2 * duration
+    steady = 0.0
+    done_ids = {id(r) for r in done}
+    for r in records:
+        if r.first_token is None:
+            continue
+        n = out_tokens(r) if id(r) in done_ids else r.chunk_tokens
+        r_end = r.end if r.end is not None else end
+        if r_end <= r.first_token:
+            steady += n if lo <= r.first_token <= hi else 0
+        else:
+            steady += n * max(0.0, min(hi, r_end) - max(lo, r.first_token)) / (r_end - r.first_token)
     return {
         "concurrency": concurrency, "num_prompts": len(records), "completed": len(done),
         "failed": len(errors), "timed_out": sum(r.error == "timeout" for r in records),
         "not_started": len(records) - len(started), "truncated": truncated, "duration_s": duration,
         "output_tokens": total_out, "output_throughput": total_out / duration,
+        "steady_output_throughput": steady / max(hi - lo, 1e-9),
         "request_throughput": len(done) / duration,
         "total_token_throughput": (total_out + input_len * len(done)) / duration,
         "ttft_ms_median": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),

@@ -55,7 +55,8 @@ def test_arm_names_with_extra_environment() -> None:
 
 
 def _arm(name: str, throughputs: dict[int, float], error: str | None = None) -> dict:
-    levels = [{"concurrency": c, "output_throughput": t, "ttft_ms_median": t / 100, "tpot_ms_median": 1.0,
+    levels = [{"concurrency": c, "output_throughput": t, "steady_output_throughput": t + 10,
+               "ttft_ms_median": t / 100, "tpot_ms_median": 1.0,
                "truncated": c == 8 and name == "mask", "masks_ok": True if name == "mask" else None}
               for c, t in throughputs.items()]
     return {"arm": name, "error": error, "levels": levels, "step_timing": [], "server_log": f"{name}.log"}
@@ -76,4 +77,6 @@ def test_rounds_are_combined_into_medians_with_each_rounds_ratios() -> None:
     # The table's ratio is the ratio of the medians (90 / 110, 170 / 200); each round's own ratio follows.
     assert "| 0.818 |" in table and "| 0.850 |" in table
     assert "- c=4: 0.900, 0.909, 0.667" in table and "- c=8: 0.750, 1.056, 0.773" in table
+    # Steady-state medians (throughput + 10 here): no mask 120 and mask 100 at c=4.
+    assert "Steady state" in table and "| 4 | 120 | 100 | 0.833 |" in table
     assert ab.combine_rounds(rounds[:1]) is rounds[0]

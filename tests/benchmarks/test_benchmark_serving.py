@@ -48,6 +48,9 @@ def test_summarize_hand_worked_level() -> None:
     assert s["mask_requests"] == 2 and s["masks_received"] == 9
     assert s["mask_count_mismatches"] == 1 and s["masks_ok"] is False
     assert s["mean_mask_size"] == pytest.approx(32 / 9)
+    # Steady state over [102, 108]: a's 5 tokens spread over [100.5, 102.5] put 1.25 in it, b's 5 over [102, 106]
+    # all 5, c's 2 received over [107, 110] (cut at the level's end) 2/3.
+    assert s["steady_output_throughput"] == pytest.approx((1.25 + 5 + 2 / 3) / 6)
 
 
 def _free_port() -> int:
