@@ -5,7 +5,9 @@ What it isolates: the part of a streamed /v1/completions token that an API serve
 from the engine core's frames to the SSE bytes: `decode` (msgpack with the zero-copy mask frames, and the
 step-level arrays cut per output), `process` (OutputProcessor: tokens, logprobs, masks, one RequestOutput per
 request into its collector) and `chunks` (each stream takes its output and builds its SSE chunk: the choice dict,
-logprobs, the mask's JSON text spliced in, msgspec encoding). The frames are the engine core's real ones
+logprobs, the mask's JSON text spliced in, msgspec encoding; with `--streams` through the server's real async
+generators instead: one asyncio task per request iterating `stream_errors(OpenAIServingCompletion._stream(...))`
+over `AsyncLLM.stream_outputs`, as the HTTP response does, minus the socket). The frames are the engine core's real ones
 (`EngineCoreProc.send_outputs` of a scheduler step, as in host_step.py), for `--clients` API servers of which
 this is the first; like in the A/B, requests stream (DELTA), with logprobs=1, and no tokenizer
 (`--skip-tokenizer-init`).
@@ -18,6 +20,7 @@ Prints the median ms per step of each part for each arm and the mask arm's extra
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import json
 import pstats
@@ -31,9 +34,10 @@ from host_step import _model_dir, _runner_output  # noqa: E402 (benchmarks/ is t
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.entrypoints.openai.protocol import CompletionRequest
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import sse
+from vllm.entrypoints.openai.serving_engine import sse, stream_errors
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_proc import EngineCoreProc
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -57,12 +61,16 @@ class _CaptureProc(EngineCoreProc):
 
 
 class _Engine:
-    """What OpenAIServing reads from its engine."""
+    """What OpenAIServing reads from its engine, and AsyncLLM's own stream_outputs over its collectors."""
 
     tokenizer = None
+    stream_outputs = AsyncLLM.stream_outputs
 
     class model_config:  # noqa: N801
         max_model_len = 100_000
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        raise AssertionError(f"a benchmark stream ended early: {request_ids}")
 
 
 def _params(mask: bool) -> SamplingParams:
@@ -91,7 +99,10 @@ def engine_frames(num_reqs: int, num_clients: int, mask: bool, mask_size: int) -
     return proc.frames[0], [r for r, c in proc.client_of.items() if c == 0]
 
 
-def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: bool) -> dict:
+def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: bool,
+        streams: bool = False) -> dict:
+    if streams:
+        return asyncio.run(_run_streams(num_reqs, num_clients, mask, steps, mask_size, profile))
     frames, req_ids = engine_frames(num_reqs, num_clients, mask, mask_size)
     decoder = MsgpackDecoder(EngineCoreOutputs)
     serving = OpenAIServingCompletion(_Engine(), ["model"])  # type: ignore[arg-type]
@@ -144,6 +155,66 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
     return result
 
 
+async def _run_streams(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
+                       profile: bool) -> dict:
+    """`run` with the chunks built by one task per request through the server's streaming generators."""
+    frames, req_ids = engine_frames(num_reqs, num_clients, mask, mask_size)
+    decoder = MsgpackDecoder(EngineCoreOutputs)
+    engine = _Engine()
+    serving = OpenAIServingCompletion(engine, ["model"])  # type: ignore[arg-type]
+    request = CompletionRequest(model="model", prompt=[3, 4, 5], max_tokens=100_000, temperature=1.0, top_p=0.95,
+                                top_k=512, logprobs=1, stream=True, ignore_eos=True)
+    proc = OutputProcessor(None, log_stats=False)
+    pending = len(req_ids)
+    step_done = asyncio.Event()
+    num_bytes = 0
+
+    async def consume(req_id: str, collector: RequestOutputCollector) -> None:
+        nonlocal pending, num_bytes
+        stream = stream_errors(serving._stream(request, "model", req_id, [engine.stream_outputs(req_id, collector)]))
+        async for event in stream:
+            if event.startswith(b"data: {") if isinstance(event, bytes) else event.startswith("data: {"):
+                num_bytes += len(event)
+                pending -= 1
+                if not pending:
+                    step_done.set()
+
+    tasks = []
+    for req_id in req_ids:
+        collector = RequestOutputCollector(RequestOutputKind.DELTA)
+        proc.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=list(range(3, 3 + 8)),
+                                           sampling_params=_params(mask), eos_token_id=None), None, collector)
+        tasks.append(asyncio.create_task(consume(req_id, collector)))
+    await asyncio.sleep(0)
+    times: dict[str, list[float]] = {"decode": [], "process": [], "chunks": [], "total": []}
+    profiler = cProfile.Profile() if profile else None
+    for step in range(steps + 2):
+        if profiler and step == 2:
+            profiler.enable()
+        pending, num_bytes = len(req_ids), 0
+        step_done.clear()
+        t0 = time.perf_counter()
+        outputs = decoder.decode(frames[0], frames[1:])
+        t1 = time.perf_counter()
+        assert not proc.process_outputs(outputs.outputs).reqs_to_abort
+        t2 = time.perf_counter()
+        await step_done.wait()
+        t3 = time.perf_counter()
+        if step >= 2:
+            for key, dt in (("decode", t1 - t0), ("process", t2 - t1), ("chunks", t3 - t2), ("total", t3 - t0)):
+                times[key].append(dt)
+    if profiler:
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    result = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    result["outputs"] = len(req_ids)
+    result["kb_per_step"] = (sum(len(f) for f in frames) + num_bytes) / 1e3
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-reqs", type=int, default=1024, help="Running requests of the whole engine.")
@@ -151,6 +222,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--mask-size", type=int, default=512)
     parser.add_argument("--cprofile", action="store_true", help="Print a cProfile of the mask arm's steps.")
+    parser.add_argument("--streams", action="store_true",
+                        help="Build the chunks through the server's async streaming generators, one task each.")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     if min(args.num_reqs, args.clients, args.steps, args.mask_size) < 1 or args.clients > args.num_reqs:
@@ -159,7 +232,7 @@ def main() -> None:
     print(f"{'reqs':>5} {'clients':>7} {'arm':>7} {'decode':>8} {'process':>8} {'chunks':>8} {'total ms':>9} "
           f"{'us/token':>9} {'kB/step':>9}")
     for mask in (False, True):
-        r = run(args.num_reqs, args.clients, mask, args.steps, args.mask_size, args.cprofile and mask)
+        r = run(args.num_reqs, args.clients, mask, args.steps, args.mask_size, args.cprofile and mask, args.streams)
         r.update(num_reqs=args.num_reqs, clients=args.clients, arm="mask" if mask else "no-mask")
         results.append(r)
         print(f"{args.num_reqs:>5} {args.clients:>7} {r['arm']:>7} {r['decode']:8.2f} {r['process']:8.2f} "

@@ -18,3 +18,11 @@ def test_frontend_step_runs_one_clients_share_with_and_without_masks() -> None:
         assert result["total"] >= result["decode"] > 0
     # The mask arm's frames carry 12 rows of 7 ids (int32) and their text: more than the ids alone.
     assert result["kb_per_step"] * 1e3 > 12 * 7 * 4
+
+
+def test_frontend_step_through_the_servers_stream_generators() -> None:
+    """--streams: every request's task yields one chunk per step through stream_outputs / _stream (a stream that
+    ended early would abort, which the benchmark's engine refuses)."""
+    result = frontend_step.run(num_reqs=8, num_clients=2, mask=True, steps=2, mask_size=5, profile=False,
+                               streams=True)
+    assert result["outputs"] == 4 and result["chunks"] > 0 and result["kb_per_step"] * 1e3 > 8 * 5 * 4
