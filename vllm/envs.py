@@ -46,7 +46,7 @@ _VARS = {
     # Performance work only: cProfile the API server and engine-core processes into this folder (vllm/profiling.py).
     "VLLM_CPROFILE_DIR": lambda: _str("VLLM_CPROFILE_DIR"),
     # Performance work only: the engine-core process logs where its time goes per step every 5 s
-    # (vllm/v1/metrics/step_timing.py).
+    # (vllm/v1/metrics/step_timing.py), and each API server its garbage-collection pauses (gc_timing.py).
     "VLLM_ENGINE_STEP_TIMING": lambda: _bool("VLLM_ENGINE_STEP_TIMING", False),
     # Capture the LM head + sampler of graphed decode steps as CUDA graphs (vllm/v1/worker/cudagraph.py); 0 runs
     # them eagerly (for comparisons).

@@ -57,3 +57,57 @@ def test_step_timer_parts_of_launch_are_reported_but_not_counted_twice() -> None
     timer.add("update", 10.0)  # a main-thread phase is host work
     timer.count_step(1)
     assert not timer.report().endswith("host busy 0%")
+
+
+def test_gc_timer_counts_collections_by_generation_and_resets() -> None:
+    """GcTimer sees the collections this test forces (one full, two young) with their pause times, reports them
+    as one line with the paused share of the window, and starts a new window after the report."""
+    import gc
+    import time
+
+    from vllm.v1.metrics.gc_timing import GcTimer
+    timer = GcTimer().install()
+    try:
+        garbage = [[i] for i in range(50_000)]  # tracked objects for the full collection to walk
+        timer.report()  # a new window: the collections that allocating the garbage triggered are left out
+        start = time.perf_counter()
+        gc.collect(2)
+        gc.collect(0)
+        gc.collect(0)
+        elapsed = time.perf_counter() - start
+        del garbage
+        assert timer.counts[2] >= 1 and timer.counts[0] >= 2
+        assert 0 < sum(timer.paused_s) <= elapsed + 1e-3 and 0 < timer.longest_s <= sum(timer.paused_s)
+        line = timer.report()
+        assert line.startswith("gen0 ") and " gen2 " in line and "paused " in line and "longest" in line
+        assert timer.counts == [0, 0, 0] and timer.paused_s == [0.0, 0.0, 0.0] and timer.longest_s == 0.0
+    finally:
+        timer.uninstall()
+    assert timer._callback not in gc.callbacks
+
+
+def test_api_server_logs_gc_pauses(monkeypatch, caplog) -> None:  # noqa: ANN001
+    """The API server's GC logger (run with VLLM_ENGINE_STEP_TIMING=1) logs a GC line per window and removes its
+    callback when cancelled."""
+    import asyncio
+    import gc
+    import logging
+
+    from vllm.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "_GC_TIMING_LOG_S", 0.02)
+    before = list(gc.callbacks)
+
+    async def run() -> None:
+        task = asyncio.create_task(api_server._log_gc_pauses())
+        await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger="vllm.entrypoints.openai.api_server"):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records if " GC: gen0 " in r.getMessage()]
+    assert lines and any(" gen2 1 " in line or " gen2 2 " in line for line in lines)
+    assert gc.callbacks == before

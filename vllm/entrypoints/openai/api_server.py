@@ -56,10 +56,13 @@ from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.config import VllmConfig
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, launch_engine_core
+from vllm.v1.metrics.gc_timing import GcTimer
 
 logger = logging.getLogger("vllm.entrypoints.openai.api_server")
 
 _PROTECTED_PREFIXES = ("/v1", "/inference")
+# VLLM_ENGINE_STEP_TIMING: seconds between two GC-pause log lines of an API server.
+_GC_TIMING_LOG_S = 5.0
 
 
 def _error(message: str, status_code: int, err_type: str, param: str | None = None) -> JSONResponse:
@@ -206,6 +209,17 @@ async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
+async def _log_gc_pauses() -> None:
+    """VLLM_ENGINE_STEP_TIMING=1: this API server's garbage-collection pauses, one log line every few seconds."""
+    timer = GcTimer().install()
+    try:
+        while True:
+            await asyncio.sleep(_GC_TIMING_LOG_S)
+            logger.info("API server %d GC: %s", os.getpid(), timer.report())
+    finally:
+        timer.uninstall()
+
+
 def make_vllm_config(args: argparse.Namespace) -> VllmConfig:
     vllm_config = EngineArgs.from_cli_args(args).create_engine_config()
     # NOTE: the server streams masks as JSON, formatted on the device unless VLLM_SAMPLING_MASK_TEXT=0.
@@ -234,9 +248,12 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5)
         server = uvicorn.Server(config)
         watchdog = asyncio.create_task(_watch_engine(engine, server))
+        gc_log = asyncio.create_task(_log_gc_pauses()) if envs.VLLM_ENGINE_STEP_TIMING else None
         with maybe_cprofile(f"api_server_{os.getpid()}"):
             await server.serve(sockets=[sock] if sock is not None else None)
         watchdog.cancel()
+        if gc_log is not None:
+            gc_log.cancel()
         if engine.errored:
             return 1
         return 0 if server.started else 1
