@@ -101,11 +101,15 @@ def engine_frames(num_reqs: int, num_clients: int, mask: bool, mask_size: int) -
 
 def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: bool,
         streams: bool = False) -> dict:
-    if streams:
-        return asyncio.run(_run_streams(num_reqs, num_clients, mask, steps, mask_size, profile))
+    return asyncio.run(_run(num_reqs, num_clients, mask, steps, mask_size, profile, streams))
+
+
+async def _run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: bool,
+               streams: bool) -> dict:
     frames, req_ids = engine_frames(num_reqs, num_clients, mask, mask_size)
     decoder = MsgpackDecoder(EngineCoreOutputs)
-    serving = OpenAIServingCompletion(_Engine(), ["model"])  # type: ignore[arg-type]
+    engine = _Engine()
+    serving = OpenAIServingCompletion(engine, ["model"])  # type: ignore[arg-type]
     request = CompletionRequest(model="model", prompt=[3, 4, 5], max_tokens=100_000, temperature=1.0, top_p=0.95,
                                 top_k=512, logprobs=1, stream=True, ignore_eos=True)
     proc = OutputProcessor(None, log_stats=False)
@@ -115,19 +119,23 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
         proc.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=list(range(3, 3 + 8)),
                                            sampling_params=_params(mask), eos_token_id=None), None,
                          collectors[req_id])
-    times: dict[str, list[float]] = {"decode": [], "process": [], "chunks": [], "total": []}
-    profiler = cProfile.Profile() if profile else None
-    num_bytes = 0
-    for step in range(steps + 2):
-        if profiler and step == 2:
-            profiler.enable()
-        t0 = time.perf_counter()
-        outputs = decoder.decode(frames[0], frames[1:])
-        t1 = time.perf_counter()
-        processed = proc.process_outputs(outputs.outputs)
-        assert not processed.reqs_to_abort
-        t2 = time.perf_counter()
-        num_bytes = 0
+    pending = num_bytes = 0
+    step_done = asyncio.Event()
+
+    async def consume(req_id: str) -> None:
+        """--streams: one request's chunks through the server's generators, as its HTTP response takes them."""
+        nonlocal pending, num_bytes
+        outputs = engine.stream_outputs(req_id, collectors[req_id])
+        async for event in stream_errors(serving._stream(request, "model", req_id, [outputs])):
+            if event.startswith(b"data: {") if isinstance(event, bytes) else event.startswith("data: {"):
+                num_bytes += len(event)
+                pending -= 1
+                if not pending:
+                    step_done.set()
+
+    def build_chunks(check: bool) -> None:
+        """Without --streams: each request's chunk built directly from its collector's output."""
+        nonlocal num_bytes
         for req_id in req_ids:
             out = collectors[req_id].get_nowait()
             c = out.outputs[0]
@@ -136,55 +144,14 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
             choice = serving._choice(request, 0, out, c, 0, raw_mask=True)
             event = sse(serving._chunk("cmpl-x", 0, "model", [choice]))
             num_bytes += len(event)
-            if step == 0:  # what a client receives: one token, its logprobs and (mask arm) its mask of ids
+            if check:  # what a client receives: one token, its logprobs and (mask arm) its mask of ids
                 sent = json.loads(event[len("data: "):])["choices"][0]
                 assert len(sent["logprobs"]["tokens"]) == 1
                 masks = sent["sampling_mask"]
                 assert masks is None if not mask else (len(masks) == 1 and len(masks[0]) == mask_size
                                                        and masks[0] == sorted(masks[0]))
-        t3 = time.perf_counter()
-        if step >= 2:  # two warm-up steps
-            for key, dt in (("decode", t1 - t0), ("process", t2 - t1), ("chunks", t3 - t2), ("total", t3 - t0)):
-                times[key].append(dt)
-    if profiler:
-        profiler.disable()
-        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
-    result = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
-    result["outputs"] = len(req_ids)
-    result["kb_per_step"] = (sum(len(f) for f in frames) + num_bytes) / 1e3
-    return result
 
-
-async def _run_streams(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
-                       profile: bool) -> dict:
-    """`run` with the chunks built by one task per request through the server's streaming generators."""
-    frames, req_ids = engine_frames(num_reqs, num_clients, mask, mask_size)
-    decoder = MsgpackDecoder(EngineCoreOutputs)
-    engine = _Engine()
-    serving = OpenAIServingCompletion(engine, ["model"])  # type: ignore[arg-type]
-    request = CompletionRequest(model="model", prompt=[3, 4, 5], max_tokens=100_000, temperature=1.0, top_p=0.95,
-                                top_k=512, logprobs=1, stream=True, ignore_eos=True)
-    proc = OutputProcessor(None, log_stats=False)
-    pending = len(req_ids)
-    step_done = asyncio.Event()
-    num_bytes = 0
-
-    async def consume(req_id: str, collector: RequestOutputCollector) -> None:
-        nonlocal pending, num_bytes
-        stream = stream_errors(serving._stream(request, "model", req_id, [engine.stream_outputs(req_id, collector)]))
-        async for event in stream:
-            if event.startswith(b"data: {") if isinstance(event, bytes) else event.startswith("data: {"):
-                num_bytes += len(event)
-                pending -= 1
-                if not pending:
-                    step_done.set()
-
-    tasks = []
-    for req_id in req_ids:
-        collector = RequestOutputCollector(RequestOutputKind.DELTA)
-        proc.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=list(range(3, 3 + 8)),
-                                           sampling_params=_params(mask), eos_token_id=None), None, collector)
-        tasks.append(asyncio.create_task(consume(req_id, collector)))
+    tasks = [asyncio.create_task(consume(req_id)) for req_id in req_ids] if streams else []
     await asyncio.sleep(0)
     times: dict[str, list[float]] = {"decode": [], "process": [], "chunks": [], "total": []}
     profiler = cProfile.Profile() if profile else None
@@ -198,14 +165,17 @@ async def _run_streams(num_reqs: int, num_clients: int, mask: bool, steps: int, 
         t1 = time.perf_counter()
         assert not proc.process_outputs(outputs.outputs).reqs_to_abort
         t2 = time.perf_counter()
-        await step_done.wait()
+        if streams:
+            await step_done.wait()
+        else:
+            build_chunks(check=step == 0)
         t3 = time.perf_counter()
-        if step >= 2:
+        if step >= 2:  # two warm-up steps
             for key, dt in (("decode", t1 - t0), ("process", t2 - t1), ("chunks", t3 - t2), ("total", t3 - t0)):
                 times[key].append(dt)
     if profiler:
         profiler.disable()
-        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
