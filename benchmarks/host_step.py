@@ -125,7 +125,7 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
                 times[key].append(dt)
     if async_scheduling:
         # The timed steps took the placeholder paths: the last scheduled step is still in flight for every request.
-        assert len(sched.running) == num_reqs and all(sched.num_output_placeholders(r) == 1 for r in sched.running)
+        assert len(sched.running) == num_reqs and all(r.num_output_placeholders == 1 for r in sched.running)
     if profiler:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)

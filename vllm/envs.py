@@ -54,8 +54,6 @@ _VARS = {
     # Performance work only: the engine-core process's GIL switch interval in ms (sys.setswitchinterval; unset:
     # Python's 5 ms). Its main thread shares the GIL with the output thread (docs/benchmarks.md).
     "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": lambda: _float("VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS"),
-    # Performance work only: 0 builds a step's host lists (tokens, logprobs, masks) on the engine's main thread
-    # when it asks for them, the output thread only waiting for the copies (vllm/v1/worker/async_output.py).
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
 }

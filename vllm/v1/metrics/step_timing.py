@@ -4,12 +4,12 @@ The engine core adds each phase's wall time (perf_counter) to a StepTimer: `inpu
 messages), `schedule`, `launch` (the runner's input preparation and kernel launches), `wait` (blocked on the
 oldest step's output: device time and the output thread not hidden behind host work), `update`
 (update_from_output) and `send` (splitting, packing, encoding and queueing the outputs). The output thread adds
-`out.event` (waiting for the device-to-host copies) and `out.lists` (building the host lists). Parts of `launch`, added by the model runner: `launch.prep` (request states, input and sampling tensors),
-`launch.model` (forward and sampler: graph replays or eager launches), `launch.out` (the outputs' device-to-host
-copies queued, the list building handed to the output thread; synchronous scheduling: the wait for the device
-and the lists too), of which `launch.mask` is the sampling mask's share. With the variable
-set, the engine-core process logs ms per step of each every few seconds; the accumulation itself is a few
-perf_counter calls per step and always on.
+`out.event` (waiting for the device-to-host copies) and `out.lists` (building the host lists). Parts of
+`launch`, added by the model runner: `launch.prep` (request states, input and sampling tensors), `launch.model`
+(forward and sampler: graph replays or eager launches), `launch.out` (the outputs' device-to-host copies queued,
+the list building handed to the output thread; synchronous scheduling: the wait for the device and the lists
+too), of which `launch.mask` is the sampling mask's share. With the variable set, the engine-core process logs ms
+per step of each every few seconds; the accumulation itself is a few perf_counter calls per step and always on.
 """
 
 from __future__ import annotations

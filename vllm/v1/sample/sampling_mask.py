@@ -184,6 +184,12 @@ class SamplingMaskTensors(NamedTuple):
         return self._replace(token_ids=self.token_ids[:n], packed_mask=self.packed_mask[:n], counts=self.counts[:n],
                              text_lengths=None if self.text_lengths is None else self.text_lengths[:n])
 
+    def _json_text(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(text, lengths) of the rows' JSON: the prepacked ones, or formatted now on the current stream."""
+        if self.text is not None and self.text_lengths is not None:
+            return self.text, self.text_lengths
+        return json_rows_packed(self.token_ids, self.counts)
+
     def to_cpu_nonblocking(self, copy_packed_mask: bool = False, with_text: bool = False,
                            staging: HostStagingSlot | None = None) -> SamplingMaskCopy:
         """Start the device-to-host copy without blocking; see the module docstring for the protocol.
@@ -195,9 +201,7 @@ class SamplingMaskTensors(NamedTuple):
         if with_text and self.packed_ids is not None and self.text is None:
             raise ValueError("This mask was prepacked without its JSON text.")
         if not self.counts.is_cuda:
-            text = (None, None) if not with_text else (self.text, self.text_lengths) if self.text is not None \
-                else json_rows_packed(self.token_ids, self.counts)
-            return SamplingMaskCopy(self, None, None, *text)
+            return SamplingMaskCopy(self, None, None, *(self._json_text() if with_text else (None, None)))
         device = self.counts.device
         stream = _copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -205,15 +209,13 @@ class SamplingMaskTensors(NamedTuple):
         with torch.cuda.stream(stream):
             # NOTE: the ids leave the device packed row after row (what the host's CSR is), so the output thread
             # only cuts them; rows past K contribute nothing here and are filled from the bitmask.
-            prepacked = self.packed_ids is not None
-            packed_ids = copy(self.packed_ids if prepacked else pack_rows(self.token_ids, self.counts), "ids")
+            ids = self.packed_ids if self.packed_ids is not None else pack_rows(self.token_ids, self.counts)
+            packed_ids = copy(ids, "ids")
             counts = copy(self.counts, "counts")
             packed_mask = _pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
             text, text_lengths = None, None
             if with_text:
-                device_text = (self.text, self.text_lengths) if prepacked else \
-                    json_rows_packed(self.token_ids, self.counts)
-                text, text_lengths = (copy(t, name) for t, name in zip(device_text, ("text", "lengths")))
+                text, text_lengths = (copy(t, name) for t, name in zip(self._json_text(), ("text", "lengths")))
             event = torch.cuda.Event()
             event.record(stream)
         # NOTE: the caller may drop the device tensors before the side-stream copies have run.

@@ -31,10 +31,9 @@ from vllm.v1.sample.sampling_mask import HostStagingSlot
 class AsyncModelRunnerOutput:
     """A ModelRunnerOutput that may still be on its way to the host."""
 
-    def __init__(self, future: Future[Any] | None,
+    def __init__(self, future: Future[tuple[ModelRunnerOutput, np.ndarray]] | None,
                  output: ModelRunnerOutput | None = None, on_ready: Callable[[np.ndarray], None] | None = None,
                  keep_alive: Any = None) -> None:
-        # `future` gives (output, sampled ids).
         self._future = future
         self._output = output
         self._on_ready = on_ready
@@ -110,20 +109,14 @@ class AsyncOutputCopier:
             self._executor.shutdown(wait=True)
 
 
-def _wait_copies(event: torch.cuda.Event | None, mask_copy: Any, timer: Any = None) -> None:
+def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
+                  logprobs: Any, mask_copy: Any, timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
+    """The output thread's job (or the caller's without one): wait for the copies, then build the lists."""
     t0 = time.perf_counter()
     if event is not None:
         event.synchronize()
     if mask_copy is not None:
         mask_copy.wait()
-    if timer is not None:
-        timer.add("out.event", time.perf_counter() - t0)
-
-
-def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
-                  logprobs: Any, mask_copy: Any, timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
-    """The output thread's job (or the caller's without one): wait for the copies, then build the lists."""
-    _wait_copies(event, mask_copy, timer)
     t1 = time.perf_counter()
     sampled_np = sampled.numpy()
     sampled_token_ids = [[t] if s else [] for t, s in zip(sampled_np.tolist(), samples.tolist())]
@@ -141,5 +134,6 @@ def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: n
                                sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
                                sampling_mask_text=text)
     if timer is not None:
+        timer.add("out.event", t1 - t0)
         timer.add("out.lists", time.perf_counter() - t1)
     return output, sampled_np

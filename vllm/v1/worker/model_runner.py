@@ -92,7 +92,7 @@ class ModelRunner:
             else None)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.output_copier = AsyncOutputCopier(self.device, use_thread=self.async_scheduling,
-                                               mask_text=mc.return_sampling_mask and mc.sampling_mask_text,)
+                                               mask_text=mc.return_sampling_mask and mc.sampling_mask_text)
         # [num_reqs of the previous sampling step] int64, on the device
         self._prev_sampled: torch.Tensor | None = None
 

@@ -6,7 +6,7 @@ as if the request had `num_tokens + placeholders` tokens. When the step's output
 the placeholders.
 
 Invariants (on top of Scheduler's):
-- `num_output_placeholders(req) == ` the number of scheduled steps not yet processed in which the request
+- `request.num_output_placeholders ==` the number of scheduled steps not yet processed in which the request
   samples; with the engine's two-deep batch queue it is 0, 1 or 2.
 - A request that stopped in step N was computed once more in N+1; that token is discarded (the request is
   gone from `requests` when N+1's output arrives).
@@ -24,14 +24,8 @@ request is scheduled and processed in every step.
 from __future__ import annotations
 
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
 
 
 class AsyncScheduler(Scheduler):
-    # NOTE: the placeholder accounting is Scheduler's (see its module docstring), switched on by this flag; an
-    # override of _num_new_tokens or _accept_sampled here would be called per request instead of inlined.
+    # NOTE: the placeholder accounting is Scheduler's (see its module docstring), switched on by this flag.
     tracks_output_placeholders = True
-
-    @staticmethod
-    def num_output_placeholders(request: Request) -> int:
-        return request.num_output_placeholders

@@ -44,8 +44,8 @@ _LAST_UNFINISHED = RequestStatus.PREEMPTED
 
 
 class Scheduler:
-    # NOTE: a class-level flag rather than overrides of _num_new_tokens/_update_after_schedule/_accept_sampled:
-    # the base versions are inlined in the per-request loops, so AsyncScheduler pays no method call per request.
+    # NOTE: a class-level flag rather than per-request hooks that AsyncScheduler overrides: the placeholder
+    # accounting is inlined in the per-request loops, so it costs no method call per request.
     tracks_output_placeholders = False
 
     def __init__(self, vllm_config: VllmConfig, num_gpu_blocks: int) -> None:
@@ -128,19 +128,15 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         cached_reqs = CachedRequestData()
         new_reqs: list[NewRequestData] = []
-        scheduled: list[Request] = []
         num_preempted = 0
 
         # NOTE: the running loop runs for every running request in every step, so its lookups are hoisted.
         running = self.running
-        # NOTE: the base _num_new_tokens is inlined below (a call less per running request); an override is called.
-        num_new_tokens_of = None if type(self)._num_new_tokens is Scheduler._num_new_tokens else self._num_new_tokens
         tracks_placeholders = self.tracks_output_placeholders
         max_model_len = self.max_model_len
         kv_cache_manager = self.kv_cache_manager
         req_to_blocks = kv_cache_manager.req_to_blocks
         block_size = self.block_size
-        append_scheduled = scheduled.append
         append_cached_id = cached_reqs.req_ids.append
         append_cached_blocks = cached_reqs.new_block_ids.append
         append_cached_computed = cached_reqs.num_computed_tokens.append
@@ -159,14 +155,12 @@ class Scheduler:
                         # Its in-flight tokens finish it: not scheduled again.
                         req_index += 1
                         continue
-            if num_new_tokens_of is None:
-                num_new_tokens = num_tokens - num_computed_tokens
-                if num_new_tokens > token_budget:
-                    num_new_tokens = token_budget
-                if num_new_tokens > max_model_len - num_computed_tokens:
-                    num_new_tokens = max_model_len - num_computed_tokens
-            else:
-                num_new_tokens = num_new_tokens_of(request, token_budget)
+            # NOTE: _num_new_tokens inlined (a call less per running request): keep the two the same.
+            num_new_tokens = num_tokens - num_computed_tokens
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            if num_new_tokens > max_model_len - num_computed_tokens:
+                num_new_tokens = max_model_len - num_computed_tokens
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -188,7 +182,6 @@ class Scheduler:
                         break
                 if new_block_ids is None:
                     break
-            append_scheduled(request)
             num_scheduled_tokens[req_id] = num_new_tokens
             append_cached_id(req_id)
             append_cached_blocks(new_block_ids)
@@ -213,7 +206,6 @@ class Scheduler:
                 self.waiting.popleft()
                 running.append(request)
                 request.status = RequestStatus.RUNNING
-                scheduled.append(request)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 new_reqs.append(NewRequestData(
                     req_id=request.request_id,
@@ -232,7 +224,6 @@ class Scheduler:
         total_num_scheduled_tokens = self.max_num_batched_tokens - token_budget
         assert len(running) <= self.max_num_seqs
         assert total_num_scheduled_tokens == sum(num_scheduled_tokens.values())
-        self._update_after_schedule(scheduled, num_scheduled_tokens)
         self._step_num_preemptions = num_preempted
 
         scheduler_output = SchedulerOutput(
@@ -255,27 +246,6 @@ class Scheduler:
             return 0
         return min(request.num_tokens + placeholders - request.num_computed_tokens, token_budget,
                    self.max_model_len - request.num_computed_tokens)
-
-    def _update_after_schedule(self, scheduled: list[Request], num_scheduled_tokens: dict[str, int]) -> None:
-        """Hook for subclasses, run once per step after scheduling: every request in `scheduled` has had its
-        `num_computed_tokens` advanced by its `num_scheduled_tokens` (and, when placeholders are tracked, its
-        `num_output_placeholders` by one if it samples in the step). The base scheduler has nothing left to do."""
-
-    def _accept_sampled(self, request: Request, sampled: list[int]) -> bool:
-        """Whether a step's sampled tokens for `request` become its output tokens; when placeholders are tracked,
-        also takes back the request's placeholders for them. (Inlined in update_from_output: keep the two the
-        same.)"""
-        if self.tracks_output_placeholders:
-            if not sampled:
-                return False
-            placeholders = request.num_output_placeholders - len(sampled)
-            assert placeholders >= 0, f"request {request.request_id!r} sampled in a step it was not expected to"
-            request.num_output_placeholders = placeholders
-            # NOTE: a request preempted while the step was in flight gets its token too.
-            return request.status in (_RUNNING, _PREEMPTED)
-        # NOTE: a partial prefill has num_computed_tokens < num_tokens; anything it sampled is discarded.
-        return (request.status == _RUNNING and bool(sampled)
-                and request.num_computed_tokens >= len(request.all_token_ids))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -305,8 +275,6 @@ class Scheduler:
         get_request = self.requests.get
         req_id_to_index = model_runner_output.req_id_to_index
         sampled_token_ids = model_runner_output.sampled_token_ids
-        # NOTE: the base _accept_sampled is inlined below (a call less per request); an override is called.
-        accept_sampled = None if type(self)._accept_sampled is Scheduler._accept_sampled else self._accept_sampled
         tracks_placeholders = self.tracks_output_placeholders
         max_model_len = self.max_model_len
         append_output = outputs.append
@@ -322,19 +290,18 @@ class Scheduler:
             req_idx = req_id_to_index[req_id]
             sampled = sampled_token_ids[req_idx]
             was_running = status == _RUNNING
-            if accept_sampled is None:
-                if tracks_placeholders:
-                    if not sampled:
-                        continue
-                    placeholders = request.num_output_placeholders - len(sampled)
-                    assert placeholders >= 0, f"request {req_id!r} sampled in a step it was not expected to"
-                    request.num_output_placeholders = placeholders
-                    # NOTE: a request preempted while this step was in flight gets its token too.
-                    if not (was_running or status == _PREEMPTED):
-                        continue
-                elif not (was_running and sampled and request.num_computed_tokens >= len(request.all_token_ids)):
+            # Whether the step's sampled tokens become the request's output tokens.
+            if tracks_placeholders:
+                if not sampled:
                     continue
-            elif not accept_sampled(request, sampled):
+                placeholders = request.num_output_placeholders - len(sampled)
+                assert placeholders >= 0, f"request {req_id!r} sampled in a step it was not expected to"
+                request.num_output_placeholders = placeholders
+                # NOTE: a request preempted while this step was in flight gets its token too.
+                if not (was_running or status == _PREEMPTED):
+                    continue
+            elif not (was_running and sampled and request.num_computed_tokens >= len(request.all_token_ids)):
+                # NOTE: a partial prefill has num_computed_tokens < num_tokens; anything it sampled is discarded.
                 continue
 
             new_token_ids, finished = append_sampled(request, sampled, max_model_len)
