@@ -47,7 +47,7 @@ class SamplingMask:
         """`token_ids` as JSON (a list of lists, no spaces) from the engine's text, or None without it."""
         if self._texts is None:
             return None
-        return b"[" + b",".join(self._texts) + b"]"
+        return b"".join((b"[", b",".join(self._texts), b"]"))
 
     @property
     def token_ids(self) -> list[list[int]]:

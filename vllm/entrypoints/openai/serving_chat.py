@@ -64,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         return list(ids)
 
     async def create_chat_completion(self, request: ChatCompletionRequest
-                                     ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
+                                     ) -> ChatCompletionResponse | AsyncGenerator[bytes, None]:
         model = self.model_name(request.model)
         params = request.to_sampling_params()
         prompt_ids = self._prompt_token_ids(request)
@@ -93,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
                                       prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
 
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
-                      gen: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:
+                      gen: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[bytes, None]:
         for index in range(request.n):
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[
                 ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))

@@ -118,7 +118,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return {"id": base_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": usage.model_dump() if usage is not None else None}
 
-    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncGenerator[str, None]:
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncGenerator[bytes, None]:
         model = self.model_name(request.model)
         base_id, request_ids, gens = await self._start(request)
         if request.stream:
@@ -139,7 +139,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=base_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request: CompletionRequest, model: str, base_id: str,
-                      gens: list[AsyncGenerator]) -> AsyncGenerator[str, None]:
+                      gens: list[AsyncGenerator]) -> AsyncGenerator[bytes, None]:
         num_choices = len(gens) * request.n
         created = int(time.time())
         offsets = [0] * num_choices

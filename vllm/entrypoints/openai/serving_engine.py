@@ -32,14 +32,18 @@ def error_body(message: str, status_code: int, err_type: str, param: str | None 
 _json_encoder = msgspec.json.Encoder()
 
 
-def sse(obj: BaseModel | dict) -> str:
-    """One server-sent event. Plain dicts (the hot streaming path) are encoded by msgspec, models by pydantic."""
+def sse(obj: BaseModel | dict) -> bytes:
+    """One server-sent event, as the bytes the response streams. Plain dicts (the hot streaming path) are encoded
+    by msgspec, models by pydantic.
+
+    NOTE: bytes, not str: a str chunk is decoded from the encoder's bytes here and encoded again by the response,
+    two more copies of every chunk (~3.6 KB per token with a sampling mask's text in it)."""
     if isinstance(obj, BaseModel):
-        return f"data: {obj.model_dump_json(exclude_none=False)}\n\n"
-    return f"data: {_json_encoder.encode(obj).decode()}\n\n"
+        return b"".join((b"data: ", obj.model_dump_json(exclude_none=False).encode(), b"\n\n"))
+    return b"".join((b"data: ", _json_encoder.encode(obj), b"\n\n"))
 
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 class OpenAIServing:
@@ -108,7 +112,7 @@ class OpenAIServing:
         return ChatCompletionLogProbs(content=content)
 
 
-async def stream_errors(gen: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+async def stream_errors(gen: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
     """Wrap an SSE generator: an error after the stream started becomes an error event, then [DONE]."""
     try:
         async for chunk in gen:

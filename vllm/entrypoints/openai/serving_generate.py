@@ -26,7 +26,7 @@ class OpenAIServingGenerate(OpenAIServing):
             logprobs=self.chat_logprobs(c.token_ids, c.logprobs, num_logprobs) if c.logprobs is not None else None,
             sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
 
-    async def generate(self, request: GenerateRequest) -> GenerateResponse | AsyncGenerator[str, None]:
+    async def generate(self, request: GenerateRequest) -> GenerateResponse | AsyncGenerator[bytes, None]:
         self.model_name(request.model)
         params = request.to_sampling_params()
         if not request.token_ids:
@@ -48,7 +48,7 @@ class OpenAIServingGenerate(OpenAIServing):
                                 usage=usage)
 
     async def _stream(self, request: GenerateRequest, gen: AsyncGenerator[RequestOutput, None],
-                      num_logprobs: int) -> AsyncGenerator[str, None]:
+                      num_logprobs: int) -> AsyncGenerator[bytes, None]:
         async for out in gen:
             yield sse(GenerateStreamResponse(request_id=request.request_id,
                                              choices=self._choices(out, num_logprobs)))
