@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -244,6 +245,11 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
     engine = AsyncLLM(vllm_config or make_vllm_config(args), core_handle=core_handle)
     try:
         app = build_app(engine, args.api_key)
+        # NOTE: everything built so far (imports, torch among them, the app, the engine client) lives as long as
+        # the process: frozen, it is left out of every later collection, which would otherwise walk ~200k
+        # objects (~0.1 s without serving any stream) at each full collection.
+        gc.collect()
+        gc.freeze()
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5)
         server = uvicorn.Server(config)
