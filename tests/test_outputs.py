@@ -1,9 +1,12 @@
-"""SamplingMask: the list form (upstream's token_ids) and the compact form (ids + counts) agree."""
+"""SamplingMask: the list form (upstream's token_ids), the compact form (ids + counts) and the engine's JSON text
+agree (references: json.dumps, lists written by hand)."""
+
+import json
 
 import numpy as np
 import pytest
 
-from vllm.outputs import SamplingMask
+from vllm.outputs import SamplingMask, ids_from_json_text, json_text_of
 
 
 def test_sampling_mask_forms_agree() -> None:
@@ -19,3 +22,38 @@ def test_sampling_mask_forms_agree() -> None:
     assert SamplingMask().token_ids == [] and len(SamplingMask(arrays=[]).ids) == 0
     with pytest.raises(ValueError):
         SamplingMask(token_ids=[[1]], arrays=arrays)
+
+
+def test_sampling_mask_from_texts_only() -> None:
+    """An API server's mask may come as the engine's JSON text only: the ids are parsed from it on access, and the
+    text is what json_text splices; concat keeps whichever forms both sides have."""
+    rows = [[3, 7, 151935], [], [0, 2]]
+    texts = [np.frombuffer(json.dumps(r, separators=(",", ":")).encode(), np.uint8) for r in rows]
+    mask = SamplingMask(texts=texts)
+    assert len(mask) == 3 and mask.json_text() == json.dumps(rows, separators=(",", ":")).encode()
+    assert mask.token_ids == rows and mask == SamplingMask(token_ids=rows)
+    np.testing.assert_array_equal(mask.counts, [3, 0, 2])
+    np.testing.assert_array_equal(mask.ids, [3, 7, 151935, 0, 2])
+    arrays = [np.array(r, dtype=np.int32) for r in rows]
+    both = SamplingMask(arrays=arrays, texts=texts)
+    # texts + texts keep the text; texts + arrays only fall back to ids (parsed), in order.
+    assert SamplingMask(texts=texts).concat(both).json_text() == json.dumps(rows + rows, separators=(",", ":")).encode()
+    mixed = SamplingMask(texts=texts[:1]).concat(SamplingMask(arrays=arrays[1:]))
+    assert mixed.json_text() is None and mixed.token_ids == rows
+    assert SamplingMask(token_ids=[[1]]).concat(SamplingMask(texts=texts[:1])).token_ids == [[1], rows[0]]
+    with pytest.raises(ValueError):
+        SamplingMask(arrays=arrays[:2], texts=texts)
+    with pytest.raises(ValueError):
+        SamplingMask(token_ids=rows, texts=texts)
+
+
+def test_mask_text_round_trip() -> None:
+    """json_text_of formats ids as json.dumps does (no spaces); ids_from_json_text reads them back."""
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 5, 512):
+        ids = np.sort(rng.choice(152_000, n, replace=False)).astype(np.int32)
+        text = json_text_of(ids)
+        assert text == json.dumps(ids.tolist(), separators=(",", ":")).encode()
+        np.testing.assert_array_equal(ids_from_json_text(np.frombuffer(text, np.uint8)), ids)
+    with pytest.raises(Exception):
+        ids_from_json_text(b"[1,2")

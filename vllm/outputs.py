@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 
@@ -27,21 +28,23 @@ class SamplingMask:
 
     `token_ids` (upstream's name) is a `list[list[int]]`, built on first access: the engine hands over one int32
     array per token, so a caller that wants the compact form (`ids`, all supports concatenated, and `counts`,
-    ids per token) never pays for hundreds of Python ints per token.
+    ids per token) never pays for hundreds of Python ints per token. In an API server the engine may hand over
+    only each token's JSON text ("[3,17,42]" as uint8, formatted on the device): the server splices it into the
+    response as is (`json_text`), and the ids are parsed from it only if something asks for them.
     """
 
     __slots__ = ("_arrays", "_token_ids", "_texts")
 
     def __init__(self, token_ids: list[list[int]] | None = None, *, arrays: Sequence[np.ndarray] | None = None,
                  texts: Sequence[np.ndarray] | None = None):
-        if token_ids is not None and arrays is not None:
-            raise ValueError("SamplingMask takes token_ids or arrays, not both.")
+        if token_ids is not None and (arrays is not None or texts is not None):
+            raise ValueError("SamplingMask takes token_ids, or arrays and/or texts, not both.")
         self._arrays = list(arrays) if arrays is not None else None
-        self._token_ids = None if arrays is not None else (token_ids if token_ids is not None else [])
-        # The API server's JSON text of each token's ids ("[3,17,42]" as uint8), when the engine made it.
         self._texts = list(texts) if texts is not None else None
-        if self._texts is not None and (self._arrays is None or len(self._texts) != len(self._arrays)):
-            raise ValueError("SamplingMask texts need arrays, one text per token.")
+        self._token_ids = token_ids if token_ids is not None else (
+            [] if arrays is None and texts is None else None)
+        if self._texts is not None and self._arrays is not None and len(self._texts) != len(self._arrays):
+            raise ValueError("SamplingMask texts and arrays must have one entry per token each.")
 
     def json_text(self) -> bytes | None:
         """`token_ids` as JSON (a list of lists, no spaces) from the engine's text, or None without it."""
@@ -49,43 +52,72 @@ class SamplingMask:
             return None
         return b"".join((b"[", b",".join(self._texts), b"]"))
 
+    def _id_arrays(self) -> list[np.ndarray] | None:
+        """One int32 array per token, parsed from the texts if the engine sent only those (kept)."""
+        if self._arrays is None and self._texts is not None:
+            self._arrays = [ids_from_json_text(t) for t in self._texts]
+        return self._arrays
+
     @property
     def token_ids(self) -> list[list[int]]:
         if self._token_ids is None:
-            assert self._arrays is not None
-            self._token_ids = [a.tolist() for a in self._arrays]
+            arrays = self._id_arrays()
+            assert arrays is not None
+            self._token_ids = [a.tolist() for a in arrays]
         return self._token_ids
 
     @property
     def counts(self) -> np.ndarray:
         """[num_tokens] int64: the support size of each token."""
-        if self._arrays is not None:
-            return np.fromiter((len(a) for a in self._arrays), dtype=np.int64, count=len(self._arrays))
+        arrays = self._id_arrays()
+        if arrays is not None:
+            return np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
         return np.array([len(m) for m in self.token_ids], dtype=np.int64)
 
     @property
     def ids(self) -> np.ndarray:
         """[sum(counts)] int32: every token's support, concatenated in token order."""
-        if self._arrays is not None:
-            return np.concatenate(self._arrays).astype(np.int32, copy=False) if self._arrays else \
-                np.zeros(0, dtype=np.int32)
+        arrays = self._id_arrays()
+        if arrays is not None:
+            return np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, dtype=np.int32)
         return np.array([i for m in self.token_ids for i in m], dtype=np.int32)
 
     def concat(self, other: SamplingMask) -> SamplingMask:
         """The masks of this output's tokens followed by `other`'s (for merging streamed deltas)."""
+        if self._token_ids is not None and self._arrays is None and self._texts is None or \
+                other._token_ids is not None and other._arrays is None and other._texts is None:
+            return SamplingMask(self.token_ids + other.token_ids)
         texts = self._texts + other._texts if self._texts is not None and other._texts is not None else None
-        if self._arrays is not None and other._arrays is not None:
-            return SamplingMask(arrays=self._arrays + other._arrays, texts=texts)
-        return SamplingMask(self.token_ids + other.token_ids)
+        arrays = self._arrays + other._arrays if self._arrays is not None and other._arrays is not None else None
+        if texts is None and arrays is None:  # one side has only texts, the other only arrays
+            arrays = self._id_arrays() + other._id_arrays()  # type: ignore[operator]
+        return SamplingMask(arrays=arrays, texts=texts)
 
     def __len__(self) -> int:
-        return len(self._arrays) if self._arrays is not None else len(self.token_ids)
+        if self._arrays is not None:
+            return len(self._arrays)
+        return len(self._texts) if self._texts is not None else len(self.token_ids)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SamplingMask) and self.token_ids == other.token_ids
 
     def __repr__(self) -> str:
         return f"SamplingMask(token_ids={self.token_ids!r})"
+
+
+def ids_from_json_text(text: np.ndarray | bytes) -> np.ndarray:
+    """int32 ids of one token's mask text ("[3,17,42]", uint8 or bytes), as the engine formats it."""
+    raw = text.tobytes() if isinstance(text, np.ndarray) else bytes(text)
+    return np.array(_ids_decoder.decode(raw), dtype=np.int32)
+
+
+def json_text_of(ids: np.ndarray) -> bytes:
+    """One token's mask ids as the engine's JSON text ("[3,17,42]", no spaces)."""
+    return _ids_encoder.encode(ids.tolist())
+
+
+_ids_decoder = msgspec.json.Decoder(list[int])
+_ids_encoder = msgspec.json.Encoder()
 
 
 @dataclass(slots=True)

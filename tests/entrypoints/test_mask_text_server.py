@@ -13,10 +13,16 @@ import pytest
 from tests.entrypoints.conftest import RemoteServer, start_server, stop_server
 
 
+# The non-streamed completion of each server mode: the text mode's (masks sent and spliced as the engine's text)
+# must equal the ids mode's (masks from the id arrays, formatted by pydantic) for the same seeded request.
+_FULL: dict[str, dict] = {}
+
+
 @pytest.fixture(scope="module", params=["1", "0"], ids=["text", "ids"])
 def text_server(request: pytest.FixtureRequest) -> Iterator[RemoteServer]:
     srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
                         "--max-num-seqs", "8", "--seed", "0"], {"VLLM_SAMPLING_MASK_TEXT": request.param})
+    srv.mode = request.param  # type: ignore[attr-defined]
     yield srv
     stop_server(srv)
 
@@ -26,6 +32,10 @@ def test_streamed_text_masks_equal_the_id_masks(text_server: RemoteServer) -> No
     body = {"prompt": "def main(", "max_tokens": 12, "temperature": 1.0, "top_k": 40, "top_p": 0.9, "seed": 11,
             "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
     full = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    _FULL[text_server.mode] = full  # type: ignore[attr-defined]
+    if len(_FULL) == 2:  # the second mode's run: both modes' whole responses agree
+        assert _FULL["1"]["token_ids"] == _FULL["0"]["token_ids"]
+        assert _FULL["1"]["sampling_mask"] == _FULL["0"]["sampling_mask"]
     resp = httpx.post(url, json={**body, "stream": True}, timeout=120)
     assert resp.status_code == 200
     token_ids: list[int] = []

@@ -11,7 +11,8 @@ Invariants:
   (`pack_step_arrays`): a handful of extension payloads per step instead of three or four per request, whose
   decoding cost the frontend ~10 us each. `MsgpackDecoder` puts them back per output (`unpack_step_arrays`):
   logprobs as Python lists (what the frontend turns them into anyway, converted with one `tolist()` per step),
-  masks as int32 views of the step's id array.
+  masks as int32 views of the step's id array. A mask with its JSON text (an API server's engine) travels as the
+  text only (uint8 views), without its ids.
 - Object arrays are refused (they would need pickle).
 - `encode_frames` (the engine core's outputs) moves arrays of AUX_FRAME_MIN_BYTES or more out of the message
   into frames of their own, sent without a copy; the decoded arrays are views of those frames.
@@ -195,14 +196,21 @@ def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
                   *(np.concatenate([np.asarray(x[f]) for _, x in lp]) for f in range(3)))
     else:
         lp_csr = ([], [], None, None, None)
+    # NOTE: a mask that has its JSON text (an API server's engine) travels as the text only: the server splices
+    # the text into its responses and parses ids only if asked (SamplingMask), so the ids would be ~40% more
+    # bytes per step for every API server to receive and cut for nothing.
+    no_csr: tuple[Any, ...] = ([], [], None, None, None)
     if step_masks is not None:
         assert not masks and not texts, "an output carries both its own mask and a StepMasks row"
         indices, positions = step_masks.out_index.tolist(), step_masks.num_pos.tolist()
-        mask_csr: tuple[Any, ...] = (indices, positions, *step_masks.gather())
-        text_csr: tuple[Any, ...] = ((indices, positions, *step_masks.gather(text=True))
-                                     if step_masks.texts is not None else ([], [], None, None, None))
+        if step_masks.texts is not None:
+            mask_csr, text_csr = no_csr, (indices, positions, *step_masks.gather(text=True))
+        else:
+            mask_csr, text_csr = (indices, positions, *step_masks.gather()), no_csr
     else:
-        mask_csr, text_csr = _pack_csr(masks, "token_ids"), _pack_csr(texts, "text")
+        with_text = {i for i, _ in texts}
+        mask_csr = _pack_csr([(i, m) for i, m in masks if i not in with_text], "token_ids")
+        text_csr = _pack_csr(texts, "text")
     if mask_csr[4] is not None:
         mask_csr = (*mask_csr[:4], mask_csr[4].astype(np.int32, copy=False))
     new_outs = outs if not lp and not masks and not texts else [

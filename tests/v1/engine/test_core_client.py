@@ -255,6 +255,8 @@ class StepMaskEngineCore(FakeEngineCore):
     StepLogprobs), as the scheduler's do; the step's rows are laid out in reverse output order, so every client's
     rows need a gather. Token t's logprobs row: ids [t, t + 7], logprobs [-t / 1000, -1], rank t % 5 + 1."""
 
+    WITH_TEXT = True
+
     def step(self) -> EngineCoreOutputs:
         outs = super().step()
         rows = [o.new_sampling_mask.token_ids for o in outs.outputs][::-1]
@@ -266,7 +268,8 @@ class StepMaskEngineCore(FakeEngineCore):
         n = len(rows)
         outs.step_masks = StepMasks(
             SamplingMaskLists(np.concatenate(rows) if n else np.zeros(0, np.int32), mask_offsets),
-            SamplingMaskText(np.concatenate(texts) if n else np.zeros(0, np.uint8), text_offsets),
+            SamplingMaskText(np.concatenate(texts) if n else np.zeros(0, np.uint8), text_offsets)
+            if self.WITH_TEXT else None,
             np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)[::-1].copy(), np.ones(n, dtype=np.int64))
         tokens = np.array([o.new_token_ids[0] for o in outs.outputs][::-1], dtype=np.int64).reshape(n)
         lists = LogprobsLists(np.stack([tokens, tokens + 7], axis=1).astype(np.int32),
@@ -278,8 +281,16 @@ class StepMaskEngineCore(FakeEngineCore):
         return outs
 
 
-def test_shared_core_splits_step_rows_per_client() -> None:
-    proc, handles, tmp_dir = launch_engine_core(None, 2, StepMaskEngineCore, start_method="fork")  # type: ignore[arg-type]
+class StepMaskIdsEngineCore(StepMaskEngineCore):
+    """The same without the masks' JSON text (an engine whose clients asked for no text): the ids travel."""
+
+    WITH_TEXT = False
+
+
+@pytest.mark.parametrize("core", [StepMaskEngineCore, StepMaskIdsEngineCore], ids=["text", "ids"])
+def test_shared_core_splits_step_rows_per_client(core: type) -> None:
+    """Each client gets exactly its requests' rows; a mask with its JSON text travels as the text only."""
+    proc, handles, tmp_dir = launch_engine_core(None, 2, core, start_method="fork")  # type: ignore[arg-type]
     clients = [SyncMPClient(None, handle=h) for h in handles]  # type: ignore[arg-type]
     try:
         for i in range(6):
@@ -290,8 +301,12 @@ def test_shared_core_splits_step_rows_per_client() -> None:
             for outs in by_req.values():
                 for o in outs:
                     t = o.new_token_ids[0]
-                    assert o.new_sampling_mask.to_nested_list() == [[t - 1, t, t + 1]]
-                    assert bytes(o.new_sampling_mask_text.text) == f"[{t - 1},{t},{t + 1}]".encode()
+                    if core.WITH_TEXT:
+                        assert o.new_sampling_mask is None
+                        assert bytes(o.new_sampling_mask_text.text) == f"[{t - 1},{t},{t + 1}]".encode()
+                    else:
+                        assert o.new_sampling_mask.to_nested_list() == [[t - 1, t, t + 1]]
+                        assert o.new_sampling_mask_text is None
                     ids, values, ranks = o.new_logprobs[:3]
                     assert ids == [[t, t + 7]] and ranks == [t % 5 + 1]
                     assert values == [[pytest.approx(-t / 1000), -1.0]]

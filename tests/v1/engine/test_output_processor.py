@@ -6,6 +6,7 @@ References: logprobs from float64 torch log_softmax over random logits, ranks co
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -376,3 +377,57 @@ def test_delta_stream_holds_only_the_latest_step_masks(tok: Tokenizer) -> None:
         assert len(state.sampling_masks) == len(state.sampling_mask_texts) == n
         assert all(np.shares_memory(m, out.new_sampling_mask.token_ids) for m in state.sampling_masks)
     assert proc.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE,
+                                  RequestOutputKind.FINAL_ONLY], ids=["delta", "cumulative", "final"])
+def test_masks_sent_as_text_only_or_mixed(tok: Tokenizer, kind: RequestOutputKind) -> None:
+    """An API server's engine sends each mask as its JSON text only (no ids); a step may also bring ids only, or
+    both. Every output's masks equal the hand-built ones, each kind keeps its tokens' masks whole across the forms,
+    and a stop string still cuts the masks with the tokens."""
+    from vllm.v1.outputs import SamplingMaskText
+
+    ids = tok.encode(TEXT)[:9]
+    positions = make_positions(ids, tok.vocab_size, num_logprobs=0, seed=5)
+    proc = OutputProcessor(tok, log_stats=False)
+    proc.add_request(make_request("m", [5], output_kind=kind), prompt=None)
+    forms = ["text", "both", "ids", "text", "text"]
+    steps = [1, 2, 3, 1, 2]
+    i = 0
+    delivered = []
+    for s, (n, form) in enumerate(zip(steps, forms)):
+        chunk = positions[i:i + n]
+        i += n
+        out = make_output("m", chunk, with_logprobs=False, with_masks=form != "text",
+                          finish_reason=FinishReason.LENGTH if s == len(steps) - 1 else None)
+        if form != "ids":
+            texts = [json.dumps(p.mask, separators=(",", ":")).encode() for p in chunk]
+            out.new_sampling_mask_text = SamplingMaskText(
+                np.frombuffer(b"".join(texts), dtype=np.uint8),
+                np.cumsum([0] + [len(t) for t in texts]).astype(np.int64) if n > 1 else None)
+        res = proc.process_outputs([out])
+        for o in res.request_outputs:
+            comp = o.outputs[0]
+            delivered.append(comp)
+            if kind == RequestOutputKind.DELTA:
+                assert comp.sampling_mask.token_ids == [p.mask for p in chunk]
+                # The engine's text is spliced as it came (None for an ids-only step).
+                assert comp.sampling_mask.json_text() == (
+                    None if form == "ids" else json.dumps([p.mask for p in chunk], separators=(",", ":")).encode())
+            else:
+                assert comp.sampling_mask.token_ids == [p.mask for p in positions[:i]]
+                assert len(comp.sampling_mask) == len(comp.token_ids) == i
+    assert len(delivered) == (len(steps) if kind != RequestOutputKind.FINAL_ONLY else 1)
+    assert proc.get_num_unfinished_requests() == 0
+
+
+def test_text_only_masks_missing_later_is_an_error(tok: Tokenizer) -> None:
+    """Masks that started (as text) and then stop coming is an engine error, as for ids."""
+    from vllm.v1.outputs import SamplingMaskText
+
+    proc = OutputProcessor(tok, log_stats=False)
+    proc.add_request(make_request("e", [5], output_kind=RequestOutputKind.DELTA), prompt=None)
+    proc.process_outputs([EngineCoreOutput("e", [9], new_sampling_mask_text=SamplingMaskText(
+        np.frombuffer(b"[9]", np.uint8), None))])
+    with pytest.raises(RuntimeError, match="without their sampling masks"):
+        proc.process_outputs([EngineCoreOutput("e", [10])])

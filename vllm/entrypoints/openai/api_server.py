@@ -51,7 +51,7 @@ from vllm.profiling import maybe_cprofile
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import NotFoundError, error_body, stream_errors
+from vllm.entrypoints.openai.serving_engine import NotFoundError, encode_body, error_body, stream_errors
 from vllm.entrypoints.openai.serving_generate import OpenAIServingGenerate
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.config import VllmConfig
@@ -114,6 +114,8 @@ def _respond(result: Any) -> Response:
         return Response(status_code=499)
     if isinstance(result, AsyncGenerator):
         return StreamingResponse(stream_errors(result), media_type="text/event-stream")
+    if isinstance(result, dict):  # a response with the engine's mask texts spliced in (with_mask_texts)
+        return Response(encode_body(result), media_type="application/json")
     return JSONResponse(result.model_dump())
 
 

@@ -16,7 +16,7 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComplet
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
                                               random_uuid)
-from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, with_mask_texts
 from vllm.outputs import RequestOutput
 
 
@@ -64,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         return list(ids)
 
     async def create_chat_completion(self, request: ChatCompletionRequest
-                                     ) -> ChatCompletionResponse | AsyncGenerator[bytes, None]:
+                                     ) -> ChatCompletionResponse | dict | AsyncGenerator[bytes, None]:
         model = self.model_name(request.model)
         params = request.to_sampling_params()
         prompt_ids = self._prompt_token_ids(request)
@@ -77,20 +77,24 @@ class OpenAIServingChat(OpenAIServing):
         async for out in gen:
             final = out
         assert final is not None
+        outputs = sorted(final.outputs, key=lambda c: c.index)
+        # The masks as the engine's JSON text where it sent them (spliced in by with_mask_texts), else as lists.
+        texts = [c.sampling_mask.json_text() if c.sampling_mask is not None else None for c in outputs]
         choices = [ChatCompletionResponseChoice(
             index=c.index, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0) if request.logprobs
             else None,
             token_ids=list(c.token_ids) if request.return_token_ids else None,
-            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
-            for c in sorted(final.outputs, key=lambda c: c.index)]
+            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None and text is None else None)
+            for c, text in zip(outputs, texts)]
         num_prompt = len(final.prompt_token_ids or [])
         num_completion = sum(len(c.token_ids) for c in final.outputs)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion)
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
-                                      prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
+        return with_mask_texts(ChatCompletionResponse(
+            id=request_id, model=model, choices=choices, usage=usage,
+            prompt_token_ids=list(prompt_ids) if request.return_token_ids else None), texts)
 
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
                       gen: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[bytes, None]:

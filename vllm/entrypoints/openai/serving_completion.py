@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
-from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, with_mask_texts
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import PromptType
 
@@ -96,7 +96,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 text_offset: int, prefix: str = "", first: bool = True, raw_mask: bool = False) -> dict[str, Any]:
         """One choice with CompletionResponseChoice's fields, as a plain dict (streamed chunks skip pydantic).
 
-        raw_mask (streaming, encoded by msgspec): the mask goes in as the engine's JSON text when it has it."""
+        raw_mask: the mask goes in as the engine's JSON text (msgspec.Raw) when it has it: for bodies encoded by
+        msgspec, i.e. streamed chunks, and whole responses through with_mask_texts."""
         mask: Any = None
         if c.sampling_mask is not None:
             text = c.sampling_mask.json_text() if raw_mask else None
@@ -118,7 +119,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return {"id": base_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": usage.model_dump() if usage is not None else None}
 
-    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncGenerator[bytes, None]:
+    async def create_completion(self, request: CompletionRequest
+                                ) -> CompletionResponse | dict | AsyncGenerator[bytes, None]:
         model = self.model_name(request.model)
         base_id, request_ids, gens = await self._start(request)
         if request.stream:
@@ -127,16 +129,23 @@ class OpenAIServingCompletion(OpenAIServing):
         async for i, out in merge_streams(gens):
             finals[i] = out
         choices = []
+        texts: list[bytes | None] = []
         usage = UsageInfo()
         for i in range(len(gens)):
             out = finals[i]
             echo = (out.prompt or "") if request.echo else ""
             for c in sorted(out.outputs, key=lambda c: c.index):
-                choices.append(self._choice(request, i * request.n + c.index, out, c, len(echo), echo))
+                choice = self._choice(request, i * request.n + c.index, out, c, len(echo), echo, raw_mask=True)
+                mask = choice["sampling_mask"]
+                # NOTE: a mask as the engine's JSON text skips pydantic (with_mask_texts puts it back in the body).
+                texts.append(bytes(mask) if isinstance(mask, msgspec.Raw) else None)
+                if texts[-1] is not None:
+                    choice["sampling_mask"] = None
+                choices.append(choice)
                 usage.completion_tokens += len(c.token_ids)
             usage.prompt_tokens += len(out.prompt_token_ids or [])
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        return CompletionResponse(id=base_id, model=model, choices=choices, usage=usage)
+        return with_mask_texts(CompletionResponse(id=base_id, model=model, choices=choices, usage=usage), texts)
 
     async def _stream(self, request: CompletionRequest, model: str, base_id: str,
                       gens: list[AsyncGenerator]) -> AsyncGenerator[bytes, None]:

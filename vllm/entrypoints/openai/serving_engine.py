@@ -46,6 +46,25 @@ def sse(obj: BaseModel | dict) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def with_mask_texts(response: BaseModel, texts: Sequence[bytes | None]) -> BaseModel | dict:
+    """A whole (non-streamed) response whose choice i's `sampling_mask` is texts[i] where given: the engine's
+    JSON text of the choice's masks (SamplingMask.json_text), spliced in as is (msgspec.Raw) instead of hundreds
+    of Python ints per token through pydantic. The response without any text is returned as it is; with texts,
+    as a dict that `encode_body` writes."""
+    if all(t is None for t in texts):
+        return response
+    body = response.model_dump()
+    for choice, text in zip(body["choices"], texts):
+        if text is not None:
+            choice["sampling_mask"] = msgspec.Raw(text)
+    return body
+
+
+def encode_body(body: dict) -> bytes:
+    """A JSON response body (as compact as starlette's JSONResponse writes it), with msgspec.Raw parts as is."""
+    return _json_encoder.encode(body)
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
         self.engine = engine

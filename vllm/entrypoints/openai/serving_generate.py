@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 
 from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
                                               GenerateStreamResponse, UsageInfo)
-from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, with_mask_texts
 from vllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -20,13 +20,13 @@ class OpenAIServingGenerate(OpenAIServing):
     def _choices(self, out: RequestOutput, num_logprobs: int) -> list[GenerateResponseChoice]:
         return [self._choice(c, num_logprobs) for c in sorted(out.outputs, key=lambda c: c.index)]
 
-    def _choice(self, c: CompletionOutput, num_logprobs: int) -> GenerateResponseChoice:
+    def _choice(self, c: CompletionOutput, num_logprobs: int, with_mask: bool = True) -> GenerateResponseChoice:
         return GenerateResponseChoice(
             index=c.index, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
             logprobs=self.chat_logprobs(c.token_ids, c.logprobs, num_logprobs) if c.logprobs is not None else None,
-            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None else None)
+            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None and with_mask else None)
 
-    async def generate(self, request: GenerateRequest) -> GenerateResponse | AsyncGenerator[bytes, None]:
+    async def generate(self, request: GenerateRequest) -> GenerateResponse | dict | AsyncGenerator[bytes, None]:
         self.model_name(request.model)
         params = request.to_sampling_params()
         if not request.token_ids:
@@ -44,8 +44,11 @@ class OpenAIServingGenerate(OpenAIServing):
         num_out = sum(len(c.token_ids) for c in final.outputs)
         usage = UsageInfo(prompt_tokens=len(request.token_ids), completion_tokens=num_out,
                           total_tokens=len(request.token_ids) + num_out)
-        return GenerateResponse(request_id=request.request_id, choices=self._choices(final, num_logprobs),
-                                usage=usage)
+        outputs = sorted(final.outputs, key=lambda c: c.index)
+        # The masks as the engine's JSON text where it sent them (spliced in by with_mask_texts), else as lists.
+        texts = [c.sampling_mask.json_text() if c.sampling_mask is not None else None for c in outputs]
+        choices = [self._choice(c, num_logprobs, with_mask=text is None) for c, text in zip(outputs, texts)]
+        return with_mask_texts(GenerateResponse(request_id=request.request_id, choices=choices, usage=usage), texts)
 
     async def _stream(self, request: GenerateRequest, gen: AsyncGenerator[RequestOutput, None],
                       num_logprobs: int) -> AsyncGenerator[bytes, None]:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask
+from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask, ids_from_json_text, json_text_of
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -148,62 +148,61 @@ class RequestState:
         self.output_kind = self.params.output_kind
         self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor.from_new_request(tokenizer, self.params)
-        # One ascending int32 id array per output token (DELTA: per token of the latest step only), or None while
-        # the engine core sends no masks.
+        # Each output token's mask (DELTA: per token of the latest step only) as an ascending int32 id array
+        # and/or as its JSON text (uint8, formatted by the engine for an API server); both None until the engine
+        # core sends masks. A form is kept while every step brings it (an API server's engine sends only the
+        # text); `has_masks` says masks started.
         # NOTE: kept as arrays (views of the step's CSR); SamplingMask turns them into lists only on access.
         self.sampling_masks: list[np.ndarray] | None = None
-        # The same masks as JSON text (uint8), one per mask above, when the engine sends them (API server).
         self.sampling_mask_texts: list[np.ndarray] | None = None
+        self.has_masks = False
         self.queue = queue
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
 
     def append_sampling_masks(self, new_mask: SamplingMaskLists | None, new_text: SamplingMaskText | None,
                               num_new: int, num_kept: int) -> None:
-        """Append the step's masks (and their JSON texts, when the engine sent them) for its first `num_kept` of
-        `num_new` new tokens. Texts are an optimisation of the server (the arrays stay the truth): they stop for
-        good at the first step without them, so `sampling_mask_texts` is None or one text per mask."""
+        """Append the step's masks (ids, JSON texts, or both, as the engine sent them) for its first `num_kept` of
+        `num_new` new tokens. A request keeps each form while every step brings it; when a step brings only the
+        form it no longer keeps, that one is converted (texts parsed, ids formatted) so the masks stay whole."""
         if num_new == 0:
             return
-        if new_mask is None:
-            if self.sampling_masks is not None:
+        if new_mask is None and new_text is None:
+            if self.has_masks:
                 raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens without "
                                    "their sampling masks after sending masks before.")
             return
-        masks = new_mask.rows()
-        # NOTE: the rows are views of the step's message (with several API servers, of a span of the whole
-        # step): a request that keeps its masks until it finishes copies its own rows, so that it does not keep
-        # every step's message alive; a streamed (DELTA) request hands each step's rows on at once and holds
-        # only the latest step's (holding all of them kept every step's message alive for the request's life:
-        # hundreds of MB per API server at 1024 streams).
-        keep = self.output_kind != RequestOutputKind.DELTA
-        if keep:
-            masks = [m.copy() for m in masks]
-        if len(masks) != num_new:
-            raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens with "
-                               f"{len(masks)} sampling masks.")
-        first = self.sampling_masks is None
-        if first:
+        # NOTE: the rows are views of the step's message (with several API servers, of a span of several
+        # clients' rows): a request that keeps its masks until it finishes copies its own rows, so that it does
+        # not keep every step's message alive; a streamed (DELTA) request hands each step's rows on at once and
+        # holds only the latest step's (holding all of them kept every step's message alive for the request's
+        # life: hundreds of MB per API server at 1024 streams).
+        ids = new_mask.rows() if new_mask is not None else None
+        texts = new_text.rows() if new_text is not None else None
+        for rows in (ids, texts):
+            if rows is not None and len(rows) != num_new:
+                raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens with "
+                                   f"{len(rows)} sampling masks.")
+        if not self.has_masks:
             num_before = self.detokenizer.num_output_tokens - num_kept
             if num_before:
                 raise RuntimeError(f"Request {self.request_id}: sampling masks started after {num_before} tokens.")
-            self.sampling_masks = []
-        if keep:
-            self.sampling_masks.extend(masks[:num_kept])
-        else:
-            self.sampling_masks = masks[:num_kept]
-        if not num_kept:
+            self.has_masks = True
+            self.sampling_masks = [] if ids is not None else None
+            self.sampling_mask_texts = [] if texts is not None else None
+        ids = ids[:num_kept] if ids is not None else None
+        texts = texts[:num_kept] if texts is not None else None
+        if self.output_kind == RequestOutputKind.DELTA:
+            self.sampling_masks, self.sampling_mask_texts = ids, texts
             return
-        if new_text is None:
-            self.sampling_mask_texts = None
-        elif first or self.sampling_mask_texts is not None:
-            texts = new_text.rows()[:num_kept]
-            if not keep:
-                self.sampling_mask_texts = texts
-            else:
-                if self.sampling_mask_texts is None:
-                    self.sampling_mask_texts = []
-                self.sampling_mask_texts.extend(t.copy() for t in texts)
+        if ids is None and self.sampling_mask_texts is None:
+            ids = [ids_from_json_text(t) for t in texts]  # type: ignore[union-attr]
+        if texts is None and self.sampling_masks is None:
+            texts = [np.frombuffer(json_text_of(a), dtype=np.uint8) for a in ids]  # type: ignore[union-attr]
+        self.sampling_masks = (self.sampling_masks + [a.copy() for a in ids]
+                               if ids is not None and self.sampling_masks is not None else None)
+        self.sampling_mask_texts = (self.sampling_mask_texts + [t.copy() for t in texts]
+                                    if texts is not None and self.sampling_mask_texts is not None else None)
 
     def make_completion_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                                stop_reason: int | str | None) -> CompletionOutput | None:
@@ -222,9 +221,10 @@ class RequestState:
             token_ids = list(self.detokenizer.output_token_ids)
             logprobs = None if lp.logprobs is None else list(lp.logprobs)
         sampling_mask: SamplingMask | None = None
-        if self.sampling_masks is not None:
-            masks = self.sampling_masks[len(self.sampling_masks) - num_new:] if delta else list(self.sampling_masks)
-            texts = self.sampling_mask_texts
+        if self.has_masks:
+            masks, texts = self.sampling_masks, self.sampling_mask_texts
+            if masks is not None:
+                masks = masks[len(masks) - num_new:] if delta else list(masks)
             if texts is not None:
                 texts = texts[len(texts) - num_new:] if delta else list(texts)
             sampling_mask = SamplingMask(arrays=masks, texts=texts)
