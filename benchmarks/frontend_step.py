@@ -92,10 +92,11 @@ def engine_frames(num_reqs: int, num_clients: int, mask: bool, mask_size: int) -
         proc.client_of[req_id] = i % num_clients
     rng = np.random.default_rng(0)
     out = sched.schedule()  # the prefill step
-    sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng))
+    sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng,
+                                                 proc.client_of))
     out = sched.schedule()
     proc.send_outputs(sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size,
-                                                                   rng)))
+                                                                   rng, proc.client_of)))
     return proc.frames[0], [r for r, c in proc.client_of.items() if c == 0]
 
 

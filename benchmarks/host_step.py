@@ -62,7 +62,10 @@ def _model_dir() -> str:
     return path
 
 
-def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.random.Generator) -> ModelRunnerOutput:
+def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.random.Generator,
+                   client_of: dict[str, int] | None = None) -> ModelRunnerOutput:
+    """One decode step's output for `req_ids`; with `client_of`, the mask texts packed by client as the device
+    packs them (json_rows_packed with the rows' client_index)."""
     n = len(req_ids)
     sampled = rng.integers(3, VOCAB_SIZE, n)
     lp_ids = np.stack([sampled, rng.integers(3, VOCAB_SIZE, n)], axis=1).astype(np.int32)
@@ -72,9 +75,15 @@ def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.rando
         ids = np.sort(rng.choice(VOCAB_SIZE, (n, mask_size)), axis=1).astype(np.int32)
         masks = SamplingMaskLists(ids.reshape(-1), np.arange(n + 1, dtype=np.int64) * mask_size, None)
         rows = [("[" + ",".join(map(str, row)) + "]").encode() for row in ids.tolist()]
+        order = np.arange(n)
+        rank = None
+        if client_of is not None:
+            order = np.argsort([client_of[r] for r in req_ids], kind="stable")
+            rank = np.empty(n, dtype=np.int64)
+            rank[order] = np.arange(n)
         offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([len(r) for r in rows], out=offsets[1:])
-        texts = SamplingMaskText(np.frombuffer(b"".join(rows), dtype=np.uint8), offsets)
+        np.cumsum([len(rows[r]) for r in order], out=offsets[1:])
+        texts = SamplingMaskText(np.frombuffer(b"".join(rows[r] for r in order), dtype=np.uint8), offsets, None, rank)
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[[int(t)] for t in sampled], logprobs=logprobs,
                              sampling_masks=masks, sampling_mask_text=texts)
@@ -101,7 +110,8 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
         # NOTE: the prefill step stays in flight, so each timed step schedules the next one before processing it.
         in_flight = out
     else:
-        sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng))
+        sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng,
+                                                     proc.client_of))
     runner_output = None
     times: dict[str, list[float]] = {"schedule": [], "update": [], "send": [], "total": []}
     profiler = cProfile.Profile() if profile else None
@@ -115,7 +125,7 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
             out, in_flight = in_flight, out
         if runner_output is None:
             # NOTE: one output for every step: each schedules all requests, so the rows are the same.
-            runner_output = _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng)
+            runner_output = _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng, proc.client_of)
         outputs = sched.update_from_output(out, runner_output)
         t2 = time.perf_counter()
         proc.send_outputs(outputs)

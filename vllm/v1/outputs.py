@@ -88,22 +88,35 @@ class SamplingMaskLists(NamedTuple):
 
 
 class SamplingMaskText(NamedTuple):
-    """The step's supports as JSON text, for the API server: position p's "[3,17,42]" is
-    text[offsets[p]:offsets[p+1]] (rows aligned with the step's SamplingMaskLists). `offsets=None`: one position."""
+    """The step's supports as JSON text, for the API server: position p's "[3,17,42]" is text[offsets[k]:
+    offsets[k+1]] with k = rank[p], or k = p without `rank` (rows aligned with the step's SamplingMaskLists).
+    `offsets=None`: one position.
+
+    `rank` is the device's packing order: the rows of each API server together (json_rows_packed with a group),
+    so that each server is sent one span of its own rows; a request's positions are consecutive rows of one
+    group, so they are consecutive there too."""
 
     # [total_bytes] uint8
     text: np.ndarray
-    # [num_positions + 1] int64, or None for a single position.
+    # [num_rows + 1] int64, or None for a single position.
     offsets: np.ndarray | None
     cu_num_generated_tokens: list[int] | None = None
+    # [num_positions] int64: each position's row in the packing; None: position p is row p.
+    rank: np.ndarray | None = None
+
+    def packed_rows(self, positions: np.ndarray | int) -> np.ndarray | int:
+        """The packing's row of each of `positions`."""
+        return positions if self.rank is None else self.rank[positions]
 
     def slice_request(self, req_idx: int, num_positions: int = 1) -> SamplingMaskText:
-        return SamplingMaskText(*_slice_csr(self.text, self.offsets, self.cu_num_generated_tokens, req_idx,
+        start = _position_range(self.cu_num_generated_tokens, req_idx, num_positions)[0]
+        return SamplingMaskText(*_slice_csr(self.text, self.offsets, None, int(self.packed_rows(start)),
                                             num_positions))
 
     def rows(self) -> list[np.ndarray]:
         """One uint8 array (the JSON text) per position."""
-        return _csr_rows(self.text, self.offsets)
+        rows = _csr_rows(self.text, self.offsets)
+        return rows if self.rank is None else [rows[k] for k in self.rank.tolist()]
 
 
 def _step_positions(first_pos: np.ndarray, num_pos: np.ndarray) -> np.ndarray:
@@ -169,14 +182,17 @@ class StepMasks(NamedTuple):
         """(start, size) of every carried position in `data`, and `data`: a view of the step's mask ids (or
         texts) from the first carried byte to the last, never a copy.
 
-        NOTE: with several API servers each one's positions are scattered over the step; sending each the
-        span that covers them (zero-copy frames, so ~the whole step to each) costs the ZMQ I/O threads a copy
-        per server but the engine core's main thread nothing, where gathering them cost it ~1.5 ms per
-        1024-row step."""
+        NOTE: with several API servers, one server's positions: the span that covers them is sent as a
+        zero-copy frame. The texts are packed by server on the device (SamplingMaskText.rank), so that span is
+        the server's own rows only; the ids (sent only without texts) are in row order, so their span is ~the
+        whole step for each server (the ZMQ I/O threads copy it per server; gathering the rows cost the core's
+        main thread ~1.5 ms per 1024-row step instead)."""
         data, offsets = (self.texts.text, self.texts.offsets) if text and self.texts is not None else \
             (self.masks.token_ids, self.masks.offsets)
         assert offsets is not None
         pos = _step_positions(self.first_pos, self.num_pos)
+        if text and self.texts is not None:
+            pos = self.texts.packed_rows(pos)
         lo, hi = offsets[pos], offsets[pos + 1]
         if not len(pos):
             return lo, hi - lo, data[:0]
@@ -192,8 +208,8 @@ class StepMasks(NamedTuple):
             outputs[out].new_sampling_mask = SamplingMaskLists(*_slice_csr(masks.token_ids, masks.offsets, None,
                                                                            first, num))
             if texts is not None:
-                outputs[out].new_sampling_mask_text = SamplingMaskText(*_slice_csr(texts.text, texts.offsets, None,
-                                                                                   first, num))
+                outputs[out].new_sampling_mask_text = SamplingMaskText(*_slice_csr(
+                    texts.text, texts.offsets, None, int(texts.packed_rows(first)), num))
 
 
 @dataclass(slots=True)

@@ -53,8 +53,11 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         arrival_time: float | None = None,
+        client_index: int = 0,
     ) -> None:
         self.request_id = request_id
+        # The frontend (API server) that sent it: the model runner packs each client's mask texts together.
+        self.client_index = client_index
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -95,6 +98,7 @@ class Request:
             sampling_params=request.sampling_params,
             eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
+            client_index=request.client_index,
         )
 
     @property

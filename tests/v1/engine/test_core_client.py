@@ -316,3 +316,33 @@ def test_shared_core_splits_step_rows_per_client(core: type) -> None:
         proc.terminate()
         proc.join(5)
         shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def test_step_mask_texts_packed_by_client_are_one_span_each() -> None:
+    """StepMasks whose texts the device packed by API server (SamplingMaskText.rank): each client's share
+    (`select`, as send_outputs takes it) gathers exactly its own rows' bytes, each row's text intact; in-process
+    `materialize` cuts the same texts."""
+    rows = [[1, 2], [30], [400, 401, 402], [5], [66, 67], [7]]
+    client = np.array([1, 0, 1, 2, 0, 1])
+    texts = [json.dumps(r, separators=(",", ":")).encode() for r in rows]
+    order = np.argsort(client, kind="stable")
+    rank = np.empty(len(rows), dtype=np.int64)
+    rank[order] = np.arange(len(rows))
+    packed = b"".join(texts[r] for r in order)
+    offsets = np.cumsum([0] + [len(texts[r]) for r in order]).astype(np.int64)
+    flat = np.array([i for r in rows for i in r], dtype=np.int32)
+    mask_offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int64)
+    n = len(rows)
+    step = StepMasks(SamplingMaskLists(flat, mask_offsets),
+                     SamplingMaskText(np.frombuffer(packed, np.uint8), offsets, None, rank),
+                     np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64), np.ones(n, dtype=np.int64))
+    for c in range(3):
+        mine = np.flatnonzero(client == c)
+        starts, sizes, data = step.select(mine, np.arange(len(mine), dtype=np.int64)).gather(text=True)
+        assert len(data) == sum(len(texts[r]) for r in mine)  # its own bytes, nothing of the other clients
+        for r, start, size in zip(mine, starts.tolist(), sizes.tolist()):
+            assert data[start:start + size].tobytes() == texts[r]
+    outs = [EngineCoreOutput(request_id=f"r{i}", new_token_ids=[i]) for i in range(n)]
+    step.materialize(outs)
+    assert [o.new_sampling_mask_text.text.tobytes() for o in outs] == texts
+    assert [o.new_sampling_mask.token_ids.tolist() for o in outs] == rows

@@ -137,3 +137,65 @@ def test_packing_kernels_across_row_blocks(monkeypatch: pytest.MonkeyPatch, row_
         row = token_ids[r, :counts[r]].tolist()
         assert text[pos:pos + n].cpu().numpy().tobytes() == json.dumps(row, separators=(",", ":")).encode(), r
         pos += n
+
+
+@pytest.mark.parametrize("row_block", [4, 1024])
+def test_grouped_packing_puts_each_group_together(monkeypatch: pytest.MonkeyPatch, row_block: int) -> None:
+    """json_rows_packed with a row group (each row's API server; padding rows MASK_GROUP_PAD) packs the texts in
+    (group, row) order: == the torch formatter + pack_rows_torch with the group == json.dumps of the rows
+    concatenated in that order, rows left to the host (past K) taking no room; with 4-row blocks the groups' rows
+    are spread over three blocks."""
+    from vllm.v1.sample.metadata import MASK_GROUP_PAD
+    from vllm.v1.sample.ops import mask_json
+    from vllm.v1.sample.ops.mask_json import format_json_rows, json_rows_packed, pack_rows_torch
+
+    monkeypatch.setattr(mask_json, "_ROW_BLOCK", row_block)
+    rng = np.random.default_rng(7)
+    num_kept, num_reqs = 5, 11
+    counts = rng.integers(0, num_kept + 1, num_reqs)
+    counts[[2, 6]] = [num_kept + 3, 0]  # a row past K and an empty one
+    token_ids = np.sort(rng.integers(0, 151936, (num_reqs, num_kept)), axis=1).astype(np.int32)
+    group = np.array([2, 0, 1, 0, 2, 2, 1, 0, 1, MASK_GROUP_PAD, MASK_GROUP_PAD], dtype=np.int32)
+    counts[group == MASK_GROUP_PAD] = 0  # padding rows sample nothing
+    ids_t, counts_t = torch.from_numpy(token_ids).to(DEVICE), torch.from_numpy(counts.astype(np.int32)).to(DEVICE)
+    text, lengths = json_rows_packed(ids_t, counts_t, torch.from_numpy(group).to(DEVICE))
+    ref_text, ref_lengths = format_json_rows(ids_t.cpu(), counts_t.cpu())
+    assert lengths.cpu().tolist() == ref_lengths.tolist()
+    order = sorted(range(num_reqs), key=lambda r: (group[r], r))
+    want = b"".join(json.dumps(token_ids[r, :counts[r]].tolist(), separators=(",", ":")).encode()
+                    for r in order if counts[r] <= num_kept)
+    assert text[:len(want)].cpu().numpy().tobytes() == want
+    torch_packed = pack_rows_torch(ref_text, ref_lengths, torch.from_numpy(group))
+    assert torch_packed[:len(want)].numpy().tobytes() == want
+
+
+def test_copy_text_lists_with_groups() -> None:
+    """SamplingMaskCopy.text_lists of a grouped text: rows() are still in row order (== json.dumps of each row of
+    tolists()), each group's rows are consecutive in the packing (rank), with and without rows that overflow K
+    (formatted on the host: then everything comes back in row order)."""
+    from vllm.v1.sample.sampling_mask import SamplingMaskTensors
+
+    rng = np.random.default_rng(3)
+    vocab, num_reqs = 3000, 7
+    group = torch.tensor([1, 0, 2, 1, 0, 0, 2], dtype=torch.int32)
+    for sizes in ([4, 3, 16, 1, 9, 2, 5], [4, 3, 17, 1, 200, 2, 5]):  # K = 16; the second has two overflows
+        logits = np.full((num_reqs, vocab), -np.inf, dtype=np.float32)
+        for r, size in enumerate(sizes):
+            logits[r, rng.choice(vocab, size=size, replace=False)] = rng.standard_normal(size)
+        mask = SamplingMaskTensors.from_logits(torch.from_numpy(logits).to(DEVICE),
+                                               torch.ones(num_reqs, dtype=torch.int32).to(DEVICE), 16)
+        copy = mask.prepack(True, group.to(DEVICE)).to_cpu_nonblocking(with_text=True)
+        lists = copy.tolists()
+        text = copy.text_lists(lists)
+        assert text is not None
+        for r, row in enumerate(text.rows()):
+            ids = lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]].tolist()
+            assert len(ids) == sizes[r] and row.tobytes() == json.dumps(ids, separators=(",", ":")).encode(), r
+        if max(sizes) <= 16:
+            assert text.rank is not None
+            for g in range(3):
+                packed = sorted(text.rank[(group == g).numpy()].tolist())
+                assert packed == list(range(packed[0], packed[0] + len(packed)))
+            assert text.rank.tolist() == [3, 0, 5, 4, 1, 2, 6]
+        else:
+            assert text.rank is None

@@ -61,7 +61,8 @@ def _run_steps(runner: ModelRunner, num_reqs: int, num_decodes: int, params: Sam
     ids = [f"r{i}" for i in range(num_reqs)]
     # Request i owns blocks 4i..4i+3 (16 tokens).
     blocks = {r: list(range(4 * i, 4 * i + 4)) for i, r in enumerate(ids)}
-    new = [NewRequestData(r, PROMPTS[i], [], params, blocks[r], 0) for i, r in enumerate(ids)]
+    # Requests of three API servers (client_index 0, 2, 1, 0, ...): their mask texts are packed by server.
+    new = [NewRequestData(r, PROMPTS[i], [], params, blocks[r], 0, client_index=2 * i % 3) for i, r in enumerate(ids)]
     sched = {r: len(PROMPTS[i]) for i, r in enumerate(ids)}
     out = runner.execute_model(SchedulerOutput(new, CachedRequestData(), sched, sum(sched.values()), set()))
     tokens = [list(t) for t in out.sampled_token_ids]
@@ -130,19 +131,23 @@ def test_graph_replay_matches_eager(num_reqs: int) -> None:
 
 def _per_request(outputs: list[Any], num_reqs: int) -> list[list[tuple[Any, ...]]]:
     """Each decode step's (token, logprob ids, logprob values, rank, mask ids) per request id r0..r{n-1}; when the
-    step carries the masks' JSON text, every row's text must be its ids as JSON."""
+    step carries the masks' JSON text, every row's text must be its ids as JSON, and the texts of each API server's
+    requests (client_index 2 * i % 3, see _run_steps) one contiguous span, servers in order."""
     steps = []
     for out in outputs:
         lp, masks, texts = out.logprobs, out.sampling_masks, out.sampling_mask_text
         if texts is not None:
             assert len(texts.offsets) == len(out.req_ids) + 1
+            rows = texts.rows()
+            packed = [int(texts.packed_rows(out.req_id_to_index[f"r{i}"])) for i in range(num_reqs)]
+            by_client = [sorted(k for i, k in enumerate(packed) if 2 * i % 3 == c) for c in range(3)]
+            assert sum(by_client, []) == list(range(num_reqs)), by_client
         row = []
         for i in range(num_reqs):
             j = out.req_id_to_index[f"r{i}"]
             mask = masks.token_ids[masks.offsets[j]:masks.offsets[j + 1]].tolist() if masks is not None else None
             if texts is not None:
-                assert bytes(texts.text[texts.offsets[j]:texts.offsets[j + 1]]) == json.dumps(
-                    mask, separators=(",", ":")).encode()
+                assert bytes(rows[j]) == json.dumps(mask, separators=(",", ":")).encode()
             row.append((out.sampled_token_ids[j], lp.logprob_token_ids[j].tolist(), lp.logprobs[j].tolist(),
                         int(lp.sampled_token_ranks[j]), mask))
         steps.append(row)

@@ -8,7 +8,10 @@ import torch
 
 
 # The per-row tensor fields, named as the model runner's persistent buffers (InputBuffers) that hold them.
-ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "sampling_mask_rows")
+ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "sampling_mask_rows", "sampling_mask_group")
+
+# The mask-text group of a graph's padding rows: packed after every real row.
+MASK_GROUP_PAD = 1 << 30
 
 
 @dataclass(slots=True)
@@ -32,6 +35,11 @@ class SamplingMetadata:
     # [num_reqs] int32: 1 for rows whose sampling mask is wanted this step, 0 otherwise (the num_sampled of
     # SamplingMaskTensors.from_logits); None when no row wants a mask.
     sampling_mask_rows: torch.Tensor | None = None
+    # [num_reqs] int32: the group of each row's sampling-mask JSON text (its API server, `client_index`), when
+    # the texts are made: the packed text holds each group's rows together (in row order), so each API server is
+    # sent one contiguous span of its own rows. Padding rows hold MASK_GROUP_PAD (after every group). None: no
+    # text, or rows in batch order. The sampler itself does not read it.
+    sampling_mask_group: torch.Tensor | None = None
 
     def narrow(self, n: int) -> SamplingMetadata:
         """The first n rows (views), e.g. the real rows of a padded decode step."""

@@ -152,6 +152,9 @@ class SamplingMaskTensors(NamedTuple):
     packed_ids: torch.Tensor | None = None
     text: torch.Tensor | None = None
     text_lengths: torch.Tensor | None = None
+    # [num_reqs] int32, set by `prepack` with a group: the text's row groups (a copy of the caller's, so that the
+    # host copy reads this step's values), whose rows it packs together (json_rows_packed).
+    text_group: torch.Tensor | None = None
 
     @classmethod
     def from_logits(cls, logits: torch.Tensor, num_sampled: torch.Tensor | None,
@@ -168,27 +171,37 @@ class SamplingMaskTensors(NamedTuple):
     def max_num_kept(self) -> int:
         return self.token_ids.shape[1]
 
-    def prepack(self, with_text: bool) -> SamplingMaskTensors:
+    def prepack(self, with_text: bool, group: torch.Tensor | None = None) -> SamplingMaskTensors:
         """The same mask with its host-copy layout (packed ids, and JSON text with `with_text`) computed now, on
         the current stream: the sampler's CUDA graphs call it so that these kernels replay with the graph
         instead of being launched from Python every step (~0.5 ms of the engine's host time at 1024 rows).
 
-        Rows past the first n of a padded graph step must have count 0 (their padding rows do): they then add
-        nothing to the packed ids, and only trailing "[]" texts past the first n lengths."""
-        text, text_lengths = json_rows_packed(self.token_ids, self.counts) if with_text else (None, None)
-        return self._replace(packed_ids=pack_rows(self.token_ids, self.counts), text=text, text_lengths=text_lengths)
+        group ([num_reqs] int, with_text only): the text packs each group's rows together (each API server's),
+        groups ascending; `text_lists` cuts it back per row.
+
+        Rows past the first n of a padded graph step must have count 0 (their padding rows do) and, with a group,
+        a group after every real row's (MASK_GROUP_PAD): they then add nothing to the packed ids, and only
+        trailing "[]" texts past the first n rows' texts."""
+        text = text_lengths = text_group = None
+        if with_text:
+            if group is not None:
+                text_group = group.to(dtype=torch.int32, copy=True)
+            text, text_lengths = json_rows_packed(self.token_ids, self.counts, text_group)
+        return self._replace(packed_ids=pack_rows(self.token_ids, self.counts), text=text, text_lengths=text_lengths,
+                             text_group=text_group)
 
     def narrow(self, n: int) -> SamplingMaskTensors:
         """The first n rows (views); the packed ids and text keep their whole buffers, whose first n rows come
         first (see `prepack`)."""
         return self._replace(token_ids=self.token_ids[:n], packed_mask=self.packed_mask[:n], counts=self.counts[:n],
-                             text_lengths=None if self.text_lengths is None else self.text_lengths[:n])
+                             text_lengths=None if self.text_lengths is None else self.text_lengths[:n],
+                             text_group=None if self.text_group is None else self.text_group[:n])
 
     def _json_text(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(text, lengths) of the rows' JSON: the prepacked ones, or formatted now on the current stream."""
         if self.text is not None and self.text_lengths is not None:
             return self.text, self.text_lengths
-        return json_rows_packed(self.token_ids, self.counts)
+        return json_rows_packed(self.token_ids, self.counts, self.text_group)
 
     def to_cpu_nonblocking(self, copy_packed_mask: bool = False, with_text: bool = False,
                            staging: HostStagingSlot | None = None) -> SamplingMaskCopy:
@@ -201,7 +214,8 @@ class SamplingMaskTensors(NamedTuple):
         if with_text and self.packed_ids is not None and self.text is None:
             raise ValueError("This mask was prepacked without its JSON text.")
         if not self.counts.is_cuda:
-            return SamplingMaskCopy(self, None, None, *(self._json_text() if with_text else (None, None)))
+            return SamplingMaskCopy(self, None, None, *(self._json_text() if with_text else (None, None)),
+                                    text_group=self.text_group if with_text else None)
         device = self.counts.device
         stream = _copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -213,9 +227,11 @@ class SamplingMaskTensors(NamedTuple):
             packed_ids = copy(ids, "ids")
             counts = copy(self.counts, "counts")
             packed_mask = _pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
-            text, text_lengths = None, None
+            text, text_lengths, text_group = None, None, None
             if with_text:
                 text, text_lengths = (copy(t, name) for t, name in zip(self._json_text(), ("text", "lengths")))
+                if self.text_group is not None:
+                    text_group = copy(self.text_group, "group")
             event = torch.cuda.Event()
             event.record(stream)
         # NOTE: the caller may drop the device tensors before the side-stream copies have run.
@@ -223,7 +239,7 @@ class SamplingMaskTensors(NamedTuple):
         self.counts.record_stream(stream)
         self.packed_mask.record_stream(stream)
         return SamplingMaskCopy(SamplingMaskTensors(self.token_ids, packed_mask, counts, self.vocab_size), event,
-                                stream, text, text_lengths, packed_ids, staging is not None)
+                                stream, text, text_lengths, packed_ids, staging is not None, text_group)
 
     def tolists(self) -> SamplingMaskLists:
         """CSR of the step (one row per request, offsets [num_reqs+1] int64); synchronous on device tensors."""
@@ -247,6 +263,8 @@ class SamplingMaskCopy:
     packed_ids: torch.Tensor | None = None
     # The host tensors are views of a HostStagingSlot that a later step reuses: the lists copy out of them.
     staged: bool = False
+    # [R] int32: the text's row groups (SamplingMaskTensors.prepack), or None for rows in row order.
+    text_group: torch.Tensor | None = None
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -265,20 +283,28 @@ class SamplingMaskCopy:
         self.wait()
         lengths = self.text_lengths.numpy().astype(np.int64)  # [R]
         text = self.text.numpy()
-        overflow = np.flatnonzero(lengths < 0)
-        if not len(overflow):
-            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
+        # Row r's text is row rank[r] of the device's packing (the rows of a group together, as json_rows_packed
+        # packed them); rows left to the host (-1) took no room there.
+        rank = None
+        packed_lengths = np.maximum(lengths, 0)
+        if self.text_group is not None:
+            order = np.argsort(self.text_group.numpy(), kind="stable")
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[order] = np.arange(len(order))
+            packed_lengths = packed_lengths[order]
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(packed_lengths, out=offsets[1:])
+        if not (lengths < 0).any():
             # NOTE: without staging, a view of this step's pinned buffer (allocated per step, kept alive by it).
             data = text[:offsets[-1]]
-            return SamplingMaskText(data.copy() if self.staged else data, offsets)
+            return SamplingMaskText(data.copy() if self.staged else data, offsets, None, rank)
+        # Some rows' supports overflowed K on the device: all rows in row order, those formatted here.
         assert lists.offsets is not None
+        starts = (offsets[:-1] if rank is None else offsets[rank]).tolist()
         pieces: list[bytes] = []
-        pos = 0
         for r, n in enumerate(lengths.tolist()):
             if n >= 0:
-                pieces.append(text[pos:pos + n].tobytes())
-                pos += n
+                pieces.append(text[starts[r]:starts[r] + n].tobytes())
             else:
                 ids = lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]]
                 pieces.append(b"[" + b",".join(str(i).encode() for i in ids.tolist()) + b"]")

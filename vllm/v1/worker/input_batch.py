@@ -46,6 +46,8 @@ class InputBatch:
         # -1 where the row asks for no logprobs.
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.wants_mask = np.zeros(max_num_reqs, dtype=bool)
+        # The API server of each row's request: the group its sampling-mask text is packed with.
+        self.client_index = np.zeros(max_num_reqs, dtype=np.int32)
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
         self.generators: dict[str, torch.Generator] = {}
         # Index of the row's token in the previous step's sampled ids; -1 when the row did not sample there.
@@ -53,7 +55,8 @@ class InputBatch:
 
         self._row_arrays = [self.token_ids_cpu, self.num_tokens, self.num_computed_tokens, self.block_table,
                             self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p, self.greedy,
-                            self.num_logprobs, self.wants_mask, self.seeded, self.prev_sampled_idx]
+                            self.num_logprobs, self.wants_mask, self.client_index, self.seeded,
+                            self.prev_sampled_idx]
 
     @property
     def num_reqs(self) -> int:
@@ -71,6 +74,7 @@ class InputBatch:
         self.num_computed_tokens[row] = req.num_computed_tokens
         self.num_blocks[row] = 0
         self.prev_sampled_idx[row] = -1
+        self.client_index[row] = req.client_index
         self.append_block_ids(row, req.block_ids)
         self._set_sampling_params(row, req.req_id, req.sampling_params, num_generated=n_out)
 

@@ -94,6 +94,7 @@ class InputBuffers:
         self.top_k = buf(max_num_reqs, dtype=torch.int32)
         self.min_p = buf(max_num_reqs, dtype=torch.float32)
         self.sampling_mask_rows = buf(max_num_reqs, dtype=torch.int32)
+        self.sampling_mask_group = buf(max_num_reqs, dtype=torch.int32)
         self._arange_np = np.arange(max(max_num_tokens, max_model_len, max_num_reqs) + 1, dtype=np.int64)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         # Rows of the last prepared step that take their newest input id from the previous step's sampled ids.

@@ -42,7 +42,7 @@ from vllm.v1.attention.layer import set_attn_backend
 from vllm.v1.attention.selector import get_attn_backend
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
-from vllm.v1.sample.metadata import ROW_FIELDS, SamplingMetadata
+from vllm.v1.sample.metadata import MASK_GROUP_PAD, ROW_FIELDS, SamplingMetadata
 from vllm.v1.sample.fast_path import fast_path_applies
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.sample.sampling_mask import SamplingMaskTensors
@@ -212,7 +212,7 @@ class ModelRunner:
                 hidden = self._forward_rows(inputs)
             last = hidden[:num_reqs] if inputs.num_padded is not None else hidden[inputs.logits_indices]
             logits = self.model.compute_logits(last).float()  # [num_reqs, V] float32
-            out = self.sampler(logits, meta)
+            out = self._with_text_group(self.sampler(logits, meta), meta)
         else:
             out = _narrow_output(out, num_reqs)
         t2 = time.perf_counter()
@@ -252,7 +252,20 @@ class ModelRunner:
         out = self.sampler(logits, meta)
         mask = out.sampling_mask
         if isinstance(mask, SamplingMaskTensors):
-            out = replace(out, sampling_mask=mask.prepack(self.output_copier.mask_text))
+            out = replace(out, sampling_mask=mask.prepack(self.output_copier.mask_text, meta.sampling_mask_group))
+        return out
+
+    @staticmethod
+    def _with_text_group(out: SamplerOutput, meta: SamplingMetadata) -> SamplerOutput:
+        """An eager step's mask with its text's row groups (each row's API server), which the copy stream's JSON
+        kernels then pack by group, as `prepack` does in the graphs.
+
+        NOTE: a copy made now, on the compute stream: the copy stream must not read the persistent buffer,
+        which the next step's inputs overwrite."""
+        mask = out.sampling_mask
+        if isinstance(mask, SamplingMaskTensors) and meta.sampling_mask_group is not None:
+            out = replace(out, sampling_mask=mask._replace(
+                text_group=meta.sampling_mask_group.to(dtype=torch.int32, copy=True)))
         return out
 
     def _forward_rows(self, inputs: StepInputs) -> torch.Tensor:
@@ -322,7 +335,10 @@ class ModelRunner:
             max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
             max_top_k=max_top_k,
             sampling_mask_rows=tensor(buffers.sampling_mask_rows, wants_mask, False)
-            if bool(wants_mask.any()) else None)
+            if bool(wants_mask.any()) else None,
+            # The JSON texts of the masks (API servers) go packed by API server: one span of the step each.
+            sampling_mask_group=tensor(buffers.sampling_mask_group, batch.client_index[rows], MASK_GROUP_PAD)
+            if self.output_copier.mask_text and bool(wants_mask.any()) else None)
 
 
 def _narrow_output(out: SamplerOutput, n: int) -> SamplerOutput:

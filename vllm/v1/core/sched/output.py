@@ -21,6 +21,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The API server that sent it (EngineCoreRequest.client_index).
+    client_index: int = 0
 
 
 @dataclass(slots=True)

@@ -214,6 +214,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    client_index=request.client_index,
                 ))
                 request.num_computed_tokens += num_new_tokens
                 if tracks_placeholders and (request.num_computed_tokens

@@ -7,7 +7,8 @@ compact [num_reqs, K] ids is written on the device instead (on the mask's copy s
 bytes.
 
 - `json_rows_packed` (what the engine uses): two Triton launches, one program per row: the row's text length,
-  then its text at its offset (the sum of the lengths before it) in one flat buffer, rows back to back.
+  then its text at its offset (the sum of the lengths before it) in one flat buffer, rows back to back; with a
+  row group (each row's API server) the rows of each group come together, so each server's rows are one span.
 - `format_json_rows` / `pack_rows_torch`: the same with torch ops, one [R, W] text per row then packed; the
   reference of the tests and the fallback if the kernels cannot compile. `pack_rows` packs rows with one
   kernel (the mask's ids use it).
@@ -89,12 +90,18 @@ def pack_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def pack_rows_torch(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """`pack_rows` with torch ops (CPU tensors, the JSON texts' fallback; the reference of the tests)."""
+def pack_rows_torch(values: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack_rows` with torch ops (CPU tensors, the JSON texts' fallback; the reference of the tests). With
+    `group` ([R] int), the rows of each group come together, groups in ascending order, rows in row order."""
     num_reqs, width = values.shape
     n = lengths.to(torch.int64)
     n = torch.where((n < 0) | (n > width), 0, n)  # [R]
-    row_start = torch.cumsum(n, dim=0) - n  # [R]
+    if group is None:
+        row_start = torch.cumsum(n, dim=0) - n  # [R]
+    else:
+        order = torch.sort(group.to(device=values.device, dtype=torch.int64), stable=True).indices  # [R]
+        row_start = torch.empty_like(n)
+        row_start[order] = torch.cumsum(n[order], dim=0) - n[order]
     cols = torch.arange(width, device=values.device)[None, :]
     dest = torch.where(cols < n[:, None], row_start[:, None] + cols, num_reqs * width)  # [R, W]
     flat = torch.empty(num_reqs * width + 1, dtype=values.dtype, device=values.device)
@@ -118,6 +125,23 @@ def _row_start(lengths_ptr, row, max_length, BLOCK_R: tl.constexpr):
         start += tl.sum(tl.where(r < row, lengths, 0), axis=0)
         n += tl.sum(tl.where(r == row, lengths, 0), axis=0)
     return start, n
+
+
+@triton.jit
+def _grouped_row_start(lengths_ptr, group_ptr, row, num_rows, BLOCK_R: tl.constexpr):
+    """The offset of `row` in a packing where the rows of each group come together (groups ascending, rows in
+    row order within a group): the sum of the lengths of the rows before it in (group, row) order, lengths < 0
+    taking no room. Like `_row_start`, one loop over the rows per program, no separate launch."""
+    my_group = tl.load(group_ptr + row)
+    start = tl.zeros((), dtype=tl.int64)
+    for r0 in range(0, num_rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        live = r < num_rows
+        lengths = tl.load(lengths_ptr + r, mask=live, other=0).to(tl.int64)
+        groups = tl.load(group_ptr + r, mask=live, other=0)
+        before = live & ((groups < my_group) | ((groups == my_group) & (r < row))) & (lengths >= 0)
+        start += tl.sum(tl.where(before, lengths, 0), axis=0)
+    return start
 
 
 @triton.jit
@@ -174,14 +198,20 @@ def _json_write_kernel(
     counts_ptr,  # [R] int32
     lengths_ptr,  # [R] int32
     text_ptr,  # [R * W] uint8 out
+    group_ptr,  # [R] int32 (GROUPED only)
+    num_rows,
     num_kept,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if tl.load(lengths_ptr + row) >= 0:
         # NOTE: a text length never exceeds its row's width (no upper cut); -1 (left to the host) takes no room.
-        base, _ = _row_start(lengths_ptr, row, 0x7FFFFFFF, BLOCK_R)
+        if GROUPED:
+            base = _grouped_row_start(lengths_ptr, group_ptr, row, num_rows, BLOCK_R)
+        else:
+            base, _ = _row_start(lengths_ptr, row, 0x7FFFFFFF, BLOCK_R)
         n = tl.minimum(tl.load(counts_ptr + row), num_kept)
         offs = tl.arange(0, BLOCK_K)
         valid = offs < n
@@ -205,9 +235,13 @@ def _json_write_kernel(
 _kernels_failed = False
 
 
-def json_rows_packed(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def json_rows_packed(token_ids: torch.Tensor, counts: torch.Tensor,
+                     group: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """token_ids: [R, K] int32, counts: [R] int -> (text [R * W] uint8 with the row texts back to back from byte 0,
-    lengths [R] int32, -1 for rows left to the host). No host sync: the buffer has the worst-case size."""
+    lengths [R] int32, -1 for rows left to the host). No host sync: the buffer has the worst-case size.
+
+    group: [R] int (optional): the rows of each group back to back, groups in ascending order, rows in row order
+    within a group (pack_rows_torch's order), instead of all rows in row order."""
     global _kernels_failed
     num_reqs, num_kept = token_ids.shape
     use_kernels = (token_ids.is_cuda or triton.knobs.runtime.interpret) and not _kernels_failed and num_kept > 0
@@ -220,11 +254,13 @@ def json_rows_packed(token_ids: torch.Tensor, counts: torch.Tensor) -> tuple[tor
             _json_lengths_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, num_kept,
                                               BLOCK_K=block)
             text = torch.empty(num_reqs * max_text_width(num_kept), dtype=torch.uint8, device=token_ids.device)
-            _json_write_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, text, num_kept,
-                                            BLOCK_K=block, BLOCK_R=_ROW_BLOCK)
+            grouped = group is not None
+            group_arg = group.to(device=token_ids.device, dtype=torch.int32).contiguous() if grouped else lengths
+            _json_write_kernel[(num_reqs,)](token_ids, token_ids.stride(0), counts, lengths, text, group_arg,
+                                            num_reqs, num_kept, BLOCK_K=block, BLOCK_R=_ROW_BLOCK, GROUPED=grouped)
             return text, lengths
         except triton.CompilationError:
             _kernels_failed = True
             logger.exception("The mask JSON kernels failed to compile; formatting with torch ops from now on.")
     text, lengths = format_json_rows(token_ids, counts)
-    return pack_rows_torch(text, lengths), lengths
+    return pack_rows_torch(text, lengths, group), lengths
