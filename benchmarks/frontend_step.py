@@ -101,12 +101,12 @@ def engine_frames(num_reqs: int, num_clients: int, mask: bool, mask_size: int) -
 
 
 def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: bool,
-        streams: bool = False) -> dict:
-    return asyncio.run(_run(num_reqs, num_clients, mask, steps, mask_size, profile, streams))
+        streams: bool = False, steps_per_chunk: int = 1) -> dict:
+    return asyncio.run(_run(num_reqs, num_clients, mask, steps, mask_size, profile, streams, steps_per_chunk))
 
 
 async def _run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: bool,
-               streams: bool) -> dict:
+               streams: bool, steps_per_chunk: int) -> dict:
     frames, req_ids = engine_frames(num_reqs, num_clients, mask, mask_size)
     decoder = MsgpackDecoder(EngineCoreOutputs)
     engine = _Engine()
@@ -141,15 +141,15 @@ async def _run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_siz
             out = collectors[req_id].get_nowait()
             c = out.outputs[0]
             if mask:
-                assert c.sampling_mask is not None and len(c.sampling_mask) == len(c.token_ids) == 1
+                assert c.sampling_mask is not None and len(c.sampling_mask) == len(c.token_ids) == steps_per_chunk
             choice = serving._choice(request, 0, out, c, 0, raw_mask=True)
             event = sse(serving._chunk("cmpl-x", 0, "model", [choice]))
             num_bytes += len(event)
             if check:  # what a client receives: one token, its logprobs and (mask arm) its mask of ids
                 sent = json.loads(event[len("data: "):])["choices"][0]
-                assert len(sent["logprobs"]["tokens"]) == 1
+                assert len(sent["logprobs"]["tokens"]) == steps_per_chunk
                 masks = sent["sampling_mask"]
-                assert masks is None if not mask else (len(masks) == 1 and len(masks[0]) == mask_size
+                assert masks is None if not mask else (len(masks) == steps_per_chunk and len(masks[0]) == mask_size
                                                        and masks[0] == sorted(masks[0]))
 
     tasks = [asyncio.create_task(consume(req_id)) for req_id in req_ids] if streams else []
@@ -162,18 +162,22 @@ async def _run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_siz
         pending, num_bytes = len(req_ids), 0
         step_done.clear()
         t0 = time.perf_counter()
-        outputs = decoder.decode(frames[0], frames[1:])
-        t1 = time.perf_counter()
-        assert not proc.process_outputs(outputs.outputs).reqs_to_abort
+        dt_decode = 0.0
+        for _ in range(steps_per_chunk):  # a lagging server: several engine steps before the streams run
+            t = time.perf_counter()
+            outputs = decoder.decode(frames[0], frames[1:])
+            dt_decode += time.perf_counter() - t
+            assert not proc.process_outputs(outputs.outputs).reqs_to_abort
+        t1 = t0 + dt_decode
         t2 = time.perf_counter()
         if streams:
             await step_done.wait()
         else:
             build_chunks(check=step == 0)
         t3 = time.perf_counter()
-        if step >= 2:  # two warm-up steps
+        if step >= 2:  # two warm-up steps; per engine step
             for key, dt in (("decode", t1 - t0), ("process", t2 - t1), ("chunks", t3 - t2), ("total", t3 - t0)):
-                times[key].append(dt)
+                times[key].append(dt / steps_per_chunk)
     if profiler:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
@@ -195,15 +199,21 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true", help="Print a cProfile of the mask arm's steps.")
     parser.add_argument("--streams", action="store_true",
                         help="Build the chunks through the server's async streaming generators, one task each.")
+    parser.add_argument("--steps-per-chunk", type=int, default=1,
+                        help="Engine steps processed before the streams take their outputs (a server that lags "
+                             "the engine: each chunk then carries this many tokens). Times are per engine step.")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    if min(args.num_reqs, args.clients, args.steps, args.mask_size) < 1 or args.clients > args.num_reqs:
-        parser.error("--num-reqs, --clients, --steps and --mask-size must be positive, --clients <= --num-reqs.")
+    if min(args.num_reqs, args.clients, args.steps, args.mask_size, args.steps_per_chunk) < 1 or \
+            args.clients > args.num_reqs:
+        parser.error("--num-reqs, --clients, --steps, --mask-size and --steps-per-chunk must be positive, "
+                     "--clients <= --num-reqs.")
     results = []
     print(f"{'reqs':>5} {'clients':>7} {'arm':>7} {'decode':>8} {'process':>8} {'chunks':>8} {'total ms':>9} "
           f"{'us/token':>9} {'kB/step':>9}")
     for mask in (False, True):
-        r = run(args.num_reqs, args.clients, mask, args.steps, args.mask_size, args.cprofile and mask, args.streams)
+        r = run(args.num_reqs, args.clients, mask, args.steps, args.mask_size, args.cprofile and mask, args.streams,
+                args.steps_per_chunk)
         r.update(num_reqs=args.num_reqs, clients=args.clients, arm="mask" if mask else "no-mask")
         results.append(r)
         print(f"{args.num_reqs:>5} {args.clients:>7} {r['arm']:>7} {r['decode']:8.2f} {r['process']:8.2f} "

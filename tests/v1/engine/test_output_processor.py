@@ -348,8 +348,8 @@ def test_final_only_masks_do_not_keep_the_step_message(tok: Tokenizer) -> None:
 
 
 def test_delta_stream_holds_only_the_latest_step_masks(tok: Tokenizer) -> None:
-    """A streamed (DELTA) request hands each step's masks and JSON texts on in that step's chunk and keeps only
-    that step's (views of the step's message): earlier steps' messages are not kept alive by it."""
+    """A streamed (DELTA) request hands each step's masks and JSON texts on in that step's chunk (views of the
+    step's message) and keeps none after: earlier steps' messages are not kept alive by it."""
     from vllm.v1.outputs import SamplingMaskText
 
     ids = tok.encode(TEXT)[:8]
@@ -373,9 +373,9 @@ def test_delta_stream_holds_only_the_latest_step_masks(tok: Tokenizer) -> None:
         assert comp.token_ids == [p.token_id for p in chunk]
         assert comp.sampling_mask.token_ids == [p.mask for p in chunk]
         assert comp.sampling_mask.json_text() == b"[" + b",".join(texts) + b"]"
-        # Only this step's masks are held, as views of this step's message.
-        assert len(state.sampling_masks) == len(state.sampling_mask_texts) == n
-        assert all(np.shares_memory(m, out.new_sampling_mask.token_ids) for m in state.sampling_masks)
+        # The output's masks are views of this step's message, and once handed out the state holds none.
+        assert state.sampling_masks == [] and state.sampling_mask_texts == []
+        assert all(np.shares_memory(m, out.new_sampling_mask.token_ids) for m in comp.sampling_mask._arrays)
     assert proc.get_num_unfinished_requests() == 0
 
 
@@ -431,3 +431,53 @@ def test_text_only_masks_missing_later_is_an_error(tok: Tokenizer) -> None:
         np.frombuffer(b"[9]", np.uint8), None))])
     with pytest.raises(RuntimeError, match="without their sampling masks"):
         proc.process_outputs([EngineCoreOutput("e", [10])])
+
+
+def test_collector_builds_pending_steps_when_taken(tok: Tokenizer) -> None:
+    """A streamed request's steps wait unbuilt in its collector (put_step): taken after two steps of text-only
+    masks, one output has both steps' tokens, logprobs and masks (the engine's texts, spliced as sent); an abort
+    while a step is pending comes after it, merged into one output with finish_reason "abort"; an engine error comes
+    after the pending output. Nothing is kept in the request's state once handed out."""
+    import asyncio
+
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+    from vllm.v1.outputs import SamplingMaskText
+
+    token_ids = tok.encode("The quick brown fox jumps")
+    positions = make_positions(token_ids, tok.vocab_size, 1, seed=4)
+
+    def step_output(chunk: list[Position], **kw) -> EngineCoreOutput:
+        out = make_output("s", chunk, with_masks=False, **kw)
+        texts = [json.dumps(p.mask, separators=(",", ":")).encode() for p in chunk]
+        out.new_sampling_mask_text = SamplingMaskText(
+            np.frombuffer(b"".join(texts), np.uint8),
+            np.cumsum([0] + [len(t) for t in texts]).astype(np.int64) if len(chunk) > 1 else None)
+        return out
+
+    proc = OutputProcessor(tok, log_stats=False)
+    collector = RequestOutputCollector(RequestOutputKind.DELTA)
+    proc.add_request(make_request("s", [5], logprobs=1, output_kind=RequestOutputKind.DELTA), None, collector)
+    state = proc.request_states["s"]
+    proc.process_outputs([step_output(positions[:2])])
+    proc.process_outputs([step_output(positions[2:3])])
+    assert not collector.empty() and len(state.sampling_mask_texts) == 3
+    first = collector.get_nowait().outputs[0]
+    assert first.token_ids == token_ids[:3] and first.text == tok.decode(token_ids[:3])
+    assert first.logprobs == [expected_logprob_dict(tok, p) for p in positions[:3]]
+    assert first.sampling_mask.json_text() == json.dumps([p.mask for p in positions[:3]],
+                                                         separators=(",", ":")).encode()
+    assert collector.empty() and state.sampling_mask_texts == []
+    proc.process_outputs([step_output(positions[3:4])])
+    assert proc.abort_requests(["s"]) == ["s"]
+    last = asyncio.run(collector.get())
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert last.outputs[0].token_ids == token_ids[3:4] and last.outputs[0].sampling_mask.token_ids == [positions[3].mask]
+    assert collector.empty()
+
+    proc.add_request(make_request("s", [5], output_kind=RequestOutputKind.DELTA), None,
+                     errored := RequestOutputCollector(RequestOutputKind.DELTA))
+    proc.process_outputs([make_output("s", positions[:1], with_logprobs=False)])
+    error = RuntimeError("engine died")
+    errored.put_nowait(error)
+    assert errored.get_nowait().outputs[0].token_ids == token_ids[:1]
+    assert errored.get_nowait() is error

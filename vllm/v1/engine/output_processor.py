@@ -50,15 +50,37 @@ class RequestOutputCollector:
     the step rate. DELTA outputs are concatenated (text, token ids, logprobs and sampling masks, per choice
     index); CUMULATIVE and FINAL_ONLY outputs supersede the pending one. An exception is delivered after the
     pending output.
+
+    A streamed (DELTA) request of its own (n == 1) hands its steps over with `put_step` instead: the collector
+    only notes the step's tokens and finish, and the RequestOutput of every step not taken yet is built once,
+    when the consumer takes it (RequestState holds their logprobs, masks and text until then). A server that
+    falls behind then does no per-step output building and merging at all for its streams, the work that
+    otherwise grows with the number of steps each chunk merges.
     """
 
-    __slots__ = ("output_kind", "_output", "_error", "_ready")
+    __slots__ = ("output_kind", "_output", "_error", "_ready", "_state", "_step_ids", "_finish")
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.output_kind = output_kind
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
+        # put_step: the request whose steps are pending, their kept token ids, and the last (finish, stop) reason.
+        self._state: RequestState | None = None
+        self._step_ids: list[int] = []
+        self._finish: tuple[FinishReason | None, int | str | None] = (None, None)
+
+    def put_step(self, state: RequestState, token_ids: list[int], finish_reason: FinishReason | None,
+                 stop_reason: int | str | None) -> None:
+        """One step of `state` (a DELTA request without a parent), built into a RequestOutput when taken."""
+        assert self._output is None and (self._state is None or self._state is state)
+        if self._state is None:
+            self._state = state
+            self._step_ids = list(token_ids)
+        else:
+            self._step_ids.extend(token_ids)
+        self._finish = (finish_reason, stop_reason)
+        self._ready.set()
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
@@ -70,17 +92,22 @@ class RequestOutputCollector:
         self._ready.set()
 
     def empty(self) -> bool:
-        return self._output is None and self._error is None
+        return self._output is None and self._state is None and self._error is None
 
     def get_nowait(self) -> RequestOutput | BaseException:
         """The pending output (or, once none is pending, the error); raises asyncio.QueueEmpty if neither."""
-        if self._output is not None:
+        if self._state is not None:
+            state, token_ids, (finish_reason, stop_reason) = self._state, self._step_ids, self._finish
+            self._state, self._step_ids = None, []
+            output = state.make_request_output(token_ids, finish_reason, stop_reason)
+            assert output is not None  # DELTA: every step has an output
+        elif self._output is not None:
             output, self._output = self._output, None
         elif self._error is not None:
             output = self._error
         else:
             raise asyncio.QueueEmpty
-        if self._output is None and self._error is None:
+        if self.empty():
             self._ready.clear()
         return output
 
@@ -148,15 +175,18 @@ class RequestState:
         self.output_kind = self.params.output_kind
         self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor.from_new_request(tokenizer, self.params)
-        # Each output token's mask (DELTA: per token of the latest step only) as an ascending int32 id array
-        # and/or as its JSON text (uint8, formatted by the engine for an API server); both None until the engine
-        # core sends masks. A form is kept while every step brings it (an API server's engine sends only the
-        # text); `has_masks` says masks started.
+        # Each output token's mask (DELTA: per token not handed out yet) as an ascending int32 id array and/or as
+        # its JSON text (uint8, formatted by the engine for an API server); both None until the engine core sends
+        # masks. A form is kept while every step brings it (an API server's engine sends only the text);
+        # `has_masks` says masks started.
         # NOTE: kept as arrays (views of the step's CSR); SamplingMask turns them into lists only on access.
         self.sampling_masks: list[np.ndarray] | None = None
         self.sampling_mask_texts: list[np.ndarray] | None = None
         self.has_masks = False
         self.queue = queue
+        # A streamed request of its own into a collector: its steps go to the queue unbuilt (put_step).
+        self.steps_to_queue = (self.output_kind == RequestOutputKind.DELTA and parent is None
+                               and isinstance(queue, RequestOutputCollector))
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
 
@@ -188,21 +218,25 @@ class RequestState:
             if num_before:
                 raise RuntimeError(f"Request {self.request_id}: sampling masks started after {num_before} tokens.")
             self.has_masks = True
-            self.sampling_masks = [] if ids is not None else None
-            self.sampling_mask_texts = [] if texts is not None else None
+            self.sampling_masks, self.sampling_mask_texts = [], []
         ids = ids[:num_kept] if ids is not None else None
         texts = texts[:num_kept] if texts is not None else None
-        if self.output_kind == RequestOutputKind.DELTA:
-            self.sampling_masks, self.sampling_mask_texts = ids, texts
-            return
         if ids is None and self.sampling_mask_texts is None:
             ids = [ids_from_json_text(t) for t in texts]  # type: ignore[union-attr]
         if texts is None and self.sampling_masks is None:
             texts = [np.frombuffer(json_text_of(a), dtype=np.uint8) for a in ids]  # type: ignore[union-attr]
-        self.sampling_masks = (self.sampling_masks + [a.copy() for a in ids]
-                               if ids is not None and self.sampling_masks is not None else None)
-        self.sampling_mask_texts = (self.sampling_mask_texts + [t.copy() for t in texts]
-                                    if texts is not None and self.sampling_mask_texts is not None else None)
+        # NOTE: DELTA rows stay views: they are held only until their output is handed out.
+        if self.output_kind != RequestOutputKind.DELTA:
+            ids = [a.copy() for a in ids] if ids is not None else None
+            texts = [t.copy() for t in texts] if texts is not None else None
+        if ids is None or self.sampling_masks is None:
+            self.sampling_masks = None
+        else:
+            self.sampling_masks.extend(ids)
+        if texts is None or self.sampling_mask_texts is None:
+            self.sampling_mask_texts = None
+        else:
+            self.sampling_mask_texts.extend(texts)
 
     def make_completion_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                                stop_reason: int | str | None) -> CompletionOutput | None:
@@ -223,10 +257,13 @@ class RequestState:
         sampling_mask: SamplingMask | None = None
         if self.has_masks:
             masks, texts = self.sampling_masks, self.sampling_mask_texts
-            if masks is not None:
-                masks = masks[len(masks) - num_new:] if delta else list(masks)
-            if texts is not None:
-                texts = texts[len(texts) - num_new:] if delta else list(texts)
+            if delta:
+                # The rows not handed out yet are this output's tokens': handed out now, the state keeps none.
+                assert len(masks if masks is not None else texts) == num_new  # type: ignore[arg-type]
+                self.sampling_masks, self.sampling_mask_texts = [], []
+            else:
+                masks = list(masks) if masks is not None else None
+                texts = list(texts) if texts is not None else None
             sampling_mask = SamplingMask(arrays=masks, texts=texts)
         return CompletionOutput(
             index=self.index,
@@ -335,6 +372,8 @@ class OutputProcessor:
                 assert completion is not None
                 state.parent.add_child_output(request_id, completion)
                 touched[state.parent.request_id] = state.parent
+            elif state.steps_to_queue:
+                state.queue.put_step(state, [], FinishReason.ABORT, None)  # type: ignore[union-attr]
             elif state.queue is not None:
                 output = state.make_request_output([], FinishReason.ABORT, None)
                 if output is not None:
@@ -383,6 +422,8 @@ class OutputProcessor:
                 if completion is not None:
                     state.parent.add_child_output(eco.request_id, completion, state.num_cached_tokens)
                     touched[state.parent.request_id] = state.parent
+            elif state.steps_to_queue:
+                state.queue.put_step(state, kept_token_ids, finish_reason, stop_reason)  # type: ignore[union-attr]
             else:
                 output = state.make_request_output(kept_token_ids, finish_reason, stop_reason)
                 if output is not None:
