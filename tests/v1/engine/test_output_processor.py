@@ -135,7 +135,10 @@ def test_delta_outputs(tok: Tokenizer) -> None:
     proc = OutputProcessor(tok, log_stats=True)
     proc.add_request(make_request("d", [5], logprobs=2, output_kind=RequestOutputKind.DELTA), prompt=None)
     steps = [2, 1, 4] + [1] * (len(ids) - 7)
+    state = proc.request_states["d"]
     outputs = run_steps(proc, "d", positions, steps)
+    # Handed out step by step, the state keeps no logprob dicts (nor masks) of earlier steps.
+    assert state.logprobs_processor.logprobs == [] and state.sampling_masks == []
     i = 0
     text = ""
     for out, step in zip(outputs, steps):
