@@ -50,3 +50,26 @@ def test_lagging_stream_gets_merged_outputs() -> None:
     assert got_masks == want.sampling_mask.token_ids
     assert all(t in m for t, m in zip(got_ids, got_masks))
     assert deltas[-1].outputs[0].finish_reason == "length"
+
+
+def test_closed_stream_aborts_and_keeps_nothing() -> None:
+    """A consumer that stops reading early (a client disconnect) aborts its request, and its collector drops the
+    steps it did not take: no request state is left behind, nor a state <-> collector reference cycle."""
+    async def run() -> None:
+        config = EngineArgs(max_num_seqs=4, max_model_len=128, return_sampling_mask=True,
+                            logprobs_mode="processed_logprobs").create_engine_config()
+        engine = AsyncLLM(config, log_stats=False)
+        try:
+            params = SamplingParams(temperature=1.0, top_k=20, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1,
+                                    output_kind=RequestOutputKind.DELTA)
+            queue = await engine.add_request("gone", {"prompt_token_ids": [5, 17, 42, 9]}, params)
+            gen = engine.stream_outputs("gone", queue)
+            first = await gen.__anext__()
+            assert not first.finished and len(first.outputs[0].token_ids) >= 1
+            await gen.aclose()
+            assert queue.empty() and queue._state is None
+            assert "gone" not in engine.output_processor.request_states
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())

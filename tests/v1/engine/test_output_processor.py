@@ -439,8 +439,9 @@ def test_text_only_masks_missing_later_is_an_error(tok: Tokenizer) -> None:
 def test_collector_builds_pending_steps_when_taken(tok: Tokenizer) -> None:
     """A streamed request's steps wait unbuilt in its collector (put_step): taken after two steps of text-only
     masks, one output has both steps' tokens, logprobs and masks (the engine's texts, spliced as sent); an abort
-    while a step is pending comes after it, merged into one output with finish_reason "abort"; an engine error comes
-    after the pending output. Nothing is kept in the request's state once handed out."""
+    while a step is pending comes after it, merged into one output with finish_reason "abort"; an engine error drops
+    the unbuilt steps (the failure may have half-updated their state) and comes alone; `close` (the consumer is
+    gone) drops them too. Nothing is kept in the request's state once handed out."""
     import asyncio
 
     from vllm.v1.engine.output_processor import RequestOutputCollector
@@ -482,5 +483,11 @@ def test_collector_builds_pending_steps_when_taken(tok: Tokenizer) -> None:
     proc.process_outputs([make_output("s", positions[:1], with_logprobs=False)])
     error = RuntimeError("engine died")
     errored.put_nowait(error)
-    assert errored.get_nowait().outputs[0].token_ids == token_ids[:1]
     assert errored.get_nowait() is error
+
+    proc.add_request(make_request("t", [5], output_kind=RequestOutputKind.DELTA), None,
+                     gone := RequestOutputCollector(RequestOutputKind.DELTA))
+    proc.process_outputs([make_output("t", positions[:1], with_logprobs=False)])
+    assert not gone.empty()
+    gone.close()
+    assert gone.empty() and gone._state is None

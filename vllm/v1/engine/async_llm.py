@@ -128,6 +128,7 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._abort_now([request_id])
+            queue.close()
 
     async def abort(self, request_id: str | list[str]) -> None:
         self._abort_now([request_id] if isinstance(request_id, str) else list(request_id))

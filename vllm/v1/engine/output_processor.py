@@ -55,7 +55,7 @@ class RequestOutputCollector:
     only notes the step's tokens and finish, and the RequestOutput of every step not taken yet is built once,
     when the consumer takes it (RequestState holds their logprobs, masks and text until then). A server that
     falls behind then does no per-step output building and merging at all for its streams, the work that
-    otherwise grows with the number of steps each chunk merges.
+    otherwise grows with the number of steps each chunk merges. An error drops such unbuilt steps.
     """
 
     __slots__ = ("output_kind", "_output", "_error", "_ready", "_state", "_step_ids", "_finish")
@@ -85,6 +85,9 @@ class RequestOutputCollector:
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
             self._error = item
+            # NOTE: steps not built yet are dropped: the failure may have left their request's state half-updated
+            # by a step it did not finish (the stream ends with the error either way).
+            self._state, self._step_ids = None, []
         elif self._output is None or self.output_kind != RequestOutputKind.DELTA:
             self._output = item
         else:
@@ -93,6 +96,11 @@ class RequestOutputCollector:
 
     def empty(self) -> bool:
         return self._output is None and self._state is None and self._error is None
+
+    def close(self) -> None:
+        """The consumer is gone: drop what it did not take (a pending request state refers back to this
+        collector, a cycle only the cyclic GC would free, with the step frames its masks are views of)."""
+        self._output, self._state, self._step_ids = None, None, []
 
     def get_nowait(self) -> RequestOutput | BaseException:
         """The pending output (or, once none is pending, the error); raises asyncio.QueueEmpty if neither."""

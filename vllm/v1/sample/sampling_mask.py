@@ -238,6 +238,8 @@ class SamplingMaskTensors(NamedTuple):
         self.token_ids.record_stream(stream)
         self.counts.record_stream(stream)
         self.packed_mask.record_stream(stream)
+        if with_text and self.text_group is not None:
+            self.text_group.record_stream(stream)
         return SamplingMaskCopy(SamplingMaskTensors(self.token_ids, packed_mask, counts, self.vocab_size), event,
                                 stream, text, text_lengths, packed_ids, staging is not None, text_group)
 
