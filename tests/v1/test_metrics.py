@@ -111,3 +111,45 @@ def test_api_server_logs_gc_pauses(monkeypatch, caplog) -> None:  # noqa: ANN001
     lines = [r.getMessage() for r in caplog.records if " GC: gen0 " in r.getMessage()]
     assert lines and any(" gen2 1 " in line or " gen2 2 " in line for line in lines)
     assert gc.callbacks == before
+
+
+def test_engine_core_logs_gc_pauses_with_step_timing(monkeypatch, caplog) -> None:  # noqa: ANN001
+    """With VLLM_ENGINE_STEP_TIMING=1 the engine core's busy loop logs a GC line after each step-timing line (here a
+    forced full collection inside a step shows up as gen2) and removes its callback when the loop ends."""
+    import gc
+    import logging
+
+    from vllm import envs
+    from vllm.v1.engine import core_proc
+
+    class FakeTimer:
+        steps = 1
+
+        def add(self, *_: object) -> None: ...
+        def restart_if_empty(self) -> None: ...
+        def report(self) -> str:
+            return "1.0 steps/s, 1 rows/step, ms/step: send 0.1; host busy 1%"
+
+    class FakeCore:
+        step_timer = FakeTimer()
+        left = 2
+
+        def has_unfinished_requests(self) -> bool:
+            return self.left > 0
+
+        def step(self) -> None:
+            self.left -= 1
+            gc.collect()
+
+    proc = core_proc.EngineCoreProc.__new__(core_proc.EngineCoreProc)  # no sockets: inputs and sends stubbed
+    proc.engine_core, proc.should_stop = FakeCore(), False
+    proc._process_inputs = lambda block: (setattr(proc, "should_stop", block) or False)  # idle: stop
+    proc.send_outputs = lambda outputs: None
+    monkeypatch.setattr(envs, "VLLM_ENGINE_STEP_TIMING", True)
+    monkeypatch.setattr(core_proc, "_STEP_TIMING_LOG_S", 0.0)
+    before = list(gc.callbacks)
+    with caplog.at_level(logging.INFO, logger="vllm.v1.engine.core_proc"):
+        proc.run_busy_loop()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Engine core GC: gen0 ")]
+    assert len(lines) == 2 and all(" gen2 1 " in line for line in lines)
+    assert gc.callbacks == before

@@ -41,6 +41,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.profiling import maybe_cprofile
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason
+from vllm.v1.metrics.gc_timing import GcTimer
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,15 @@ class EngineCoreProc:
         timer = getattr(self.engine_core, "step_timer", None)
         log_every = _STEP_TIMING_LOG_S if timer is not None and envs.VLLM_ENGINE_STEP_TIMING else None
         last_log = time.monotonic()
+        # With the step timing, the core's garbage-collection pauses too (one line per window).
+        gc_timer = GcTimer().install() if log_every is not None else None
+        try:
+            self._busy_loop(timer, log_every, last_log, gc_timer)
+        finally:
+            if gc_timer is not None:
+                gc_timer.uninstall()
+
+    def _busy_loop(self, timer: Any, log_every: float | None, last_log: float, gc_timer: GcTimer | None) -> None:
         while not self.should_stop:
             idle = not self.engine_core.has_unfinished_requests()
             t0 = time.perf_counter()
@@ -202,6 +212,8 @@ class EngineCoreProc:
                                                           or not self.engine_core.has_unfinished_requests()):
                 last_log = time.monotonic()
                 logger.info("Engine step timing: %s", timer.report())
+                if gc_timer is not None:
+                    logger.info("Engine core GC: %s", gc_timer.report())
 
     def _stats(self) -> Any:
         scheduler = getattr(self.engine_core, "scheduler", None)
