@@ -18,6 +18,27 @@ Invariants:
   static outputs (sampled ids, logprobs, mask tensors) are read by the output copies and the output thread
   after the step was launched, and the engine launches step N+2 only after step N's outputs were turned into
   lists (the batch queue is two deep), so the set that step N+2 reuses is free by then.
+
+Mixed steps (prefills and decodes, total tokens != num_reqs) can be padded to a fixed shape, T tokens of the
+smallest mixed size >= the step's tokens (`resolve_mixed_capture_sizes`) and R = max_num_seqs + 1 request rows
+(input_prep.py: one padding request holds the surplus tokens, the other surplus rows have zero tokens), so that
+their forward could be one graph per T. Only the padded eager forward exists (ModelRunner.pad_eager_mixed, for
+tests); the logits and the sampler of a mixed step stay eager on the real rows' last tokens.
+NOTE (what a GPU session must add to capture mixed steps):
+- Capture: a CudaGraphManager over the mixed sizes whose `prepare(T)` is InputBuffers.fill_dummy_mixed(T, R)
+  and whose `forward(T)` runs the model on input_ids.gpu[:T], positions.gpu[:T] under
+  InputBuffers.mixed_metadata(T, R) (Triton backend only); it must share the decode graphs' pool (capture the
+  largest mixed size first, before the decode sizes, so the pool is sized once by the largest forward), and
+  `_forward_rows` must replay it for inputs.num_padded_tokens. The graph reads input_ids, positions,
+  slot_mapping [:T], query_start_loc [:R+1], seq_lens [:R], block_table [:R] (only the rows of requests with
+  tokens are filled each step) and the KV cache; it writes one static hidden-state output [T, hidden].
+- Memory: the pool then holds a forward of max_num_batched_tokens tokens (about profile_run's peak activations)
+  besides the eager allocator's cache, which still serves mixed steps larger than every size, the logits and
+  the sampler; the KV cache sizing must leave room for both (or the eager path must not keep its own cache).
+- Measurement: the padded tokens cost real FLOPs (up to one size step, 255 tokens at step 256) and the R rows
+  add ~R * num_kv_heads attention programs that exit at once; whether the saved launch overhead beats that must
+  be measured per model (mixed steps of long prefills are GPU-bound and gain little; small chunked-prefill
+  steps among many decodes gain most). Finer sizes below 256 may be worth it.
 """
 
 from __future__ import annotations
@@ -45,6 +66,28 @@ def resolve_capture_sizes(sizes: list[int] | None, max_num_seqs: int, max_num_ba
     if sizes is None:
         chosen.add(cap)
     return sorted(chosen)
+
+
+MIXED_SIZE_STEP = 256
+
+
+def resolve_mixed_capture_sizes(sizes: list[int] | None, max_num_batched_tokens: int, max_model_len: int
+                                ) -> list[int]:
+    """Sorted token counts that mixed steps are padded to: by default the multiples of MIXED_SIZE_STEP below
+    max_num_batched_tokens, and that budget itself, so that every step has a size. Sizes past the budget are
+    dropped. NOTE: the padding of a step goes to requests of at most max_model_len tokens, and a padded step
+    has at most max_num_seqs + 1 rows, so a size step larger than max_model_len could leave no row for the
+    padding: sizes are added below each gap larger than max_model_len."""
+    if sizes is None:
+        sizes = list(range(MIXED_SIZE_STEP, max_num_batched_tokens, MIXED_SIZE_STEP)) + [max_num_batched_tokens]
+    chosen = sorted({s for s in sizes if 0 < s <= max_num_batched_tokens})
+    filled: list[int] = []
+    prev = 0
+    for s in chosen:
+        filled.extend(range(prev + max_model_len, s, max_model_len))
+        filled.append(s)
+        prev = s
+    return filled
 
 
 class CudaGraphManager:

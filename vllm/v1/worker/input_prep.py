@@ -12,6 +12,14 @@ Invariants:
 - With `pad_to=B` (a pure-decode step run as a CUDA graph of B rows), rows num_reqs..B-1 are padding: one
   token each, input id 0 at position 0, written to the scratch slot, seq_len 1, block-table column 0 = the
   scratch block. Their attention touches only that block, which no request owns.
+- With `pad_tokens=T, pad_reqs=R` (a mixed step, prefills and decodes, run at a fixed shape for a CUDA graph of
+  T tokens and R request rows), the real requests come first as without padding; then the T - total padding
+  tokens belong to padding requests of at most max_model_len tokens each (one, unless T - total exceeds
+  max_model_len): input ids 0, positions 0, slots in the scratch block, seq_len = their token count, every
+  block-table column = the scratch block. The remaining rows up to R have zero tokens (query_start_loc repeats
+  T) and seq_len 0; their block-table rows are neither written nor copied, as a zero-token request's programs
+  exit before they read it. The metadata's ints are fixed per (T, R) (`mixed_metadata`), logits_indices are the
+  real requests' last tokens.
 - A row that sampled in the previous step has that token only on the device: its one scheduled token (the
   newest) takes its input id from the previous step's sampled ids (`apply_prev_sampled`).
 """
@@ -54,10 +62,14 @@ class StepInputs:
     # [num_reqs] bool: the request's tokens reach its last known token, so it samples
     samples: np.ndarray
     num_actual_tokens: int
-    # Rows (and tokens) of the padded batch; == num_reqs without padding.
+    # Rows (and tokens) of a padded pure-decode batch; None otherwise.
     num_padded: int | None
+    # Tokens of a padded mixed batch (T; its rows are InputBuffers.max_num_rows or the caller's pad_reqs); None
+    # otherwise.
+    num_padded_tokens: int | None
     attn_metadata: TritonAttentionMetadata
-    # [num_input_tokens] int64 each, on the device (num_input_tokens = num_padded or num_actual_tokens)
+    # [num_input_tokens] int64 each, on the device (num_input_tokens = num_padded, num_padded_tokens or
+    # num_actual_tokens)
     input_ids: torch.Tensor
     positions: torch.Tensor
     # [num_reqs] int64, on the device: the flat row of each request's last token
@@ -77,13 +89,17 @@ class InputBuffers:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        # NOTE: one request row more than the scheduler can fill: a padded mixed step of max_num_reqs requests
+        # still has a row for its padding tokens.
+        self.max_num_rows = max_num_reqs + 1
         buf = lambda *shape, dtype: CpuGpuBuffer(*shape, dtype=dtype, device=device)  # noqa: E731
         self.input_ids = buf(max_num_tokens, dtype=torch.int64)
         self.positions = buf(max_num_tokens, dtype=torch.int64)
         self.slot_mapping = buf(max_num_tokens, dtype=torch.int64)
-        self.query_start_loc = buf(max_num_reqs + 1, dtype=torch.int32)
-        self.seq_lens = buf(max_num_reqs, dtype=torch.int32)
-        self.block_table = buf(max_num_reqs, max_num_blocks_per_req, dtype=torch.int32)
+        self.query_start_loc = buf(self.max_num_rows + 1, dtype=torch.int32)
+        self.seq_lens = buf(self.max_num_rows, dtype=torch.int32)
+        self.block_table = buf(self.max_num_rows, max_num_blocks_per_req, dtype=torch.int32)
         self.logits_indices = buf(max_num_reqs, dtype=torch.int64)
         # Previous-step sampled ids -> this step's input ids: source index and destination flat row.
         self.prev_src = buf(max_num_reqs, dtype=torch.int64)
@@ -108,9 +124,11 @@ class InputBuffers:
         if self._copied is not None:
             self._copied.record()
 
-    def prepare(self, batch: InputBatch, so: SchedulerOutput, pad_to: int | None,
-                num_splits: int | None) -> StepInputs:
-        """Fill the buffers for `so` (padded to `pad_to` rows for a decode step) and copy them to the device."""
+    def prepare(self, batch: InputBatch, so: SchedulerOutput, pad_to: int | None, num_splits: int | None,
+                pad_tokens: int | None = None, pad_reqs: int | None = None) -> StepInputs:
+        """Fill the buffers for `so` and copy them to the device: padded to `pad_to` rows for a decode step, or to
+        `pad_tokens` tokens and `pad_reqs` request rows (default max_num_rows) for any step (num_splits is then
+        ignored: 1)."""
         self.wait_for_copies()
         num_reqs = len(so.num_scheduled_tokens)
         req_ids = list(so.num_scheduled_tokens)
@@ -120,8 +138,15 @@ class InputBuffers:
         total = int(cu[-1])
         if pad_to is not None and (total != num_reqs or pad_to < num_reqs):
             raise ValueError(f"Only a pure-decode step of at most {pad_to} requests can be padded to {pad_to}.")
-        num_rows = pad_to if pad_to is not None else num_reqs
-        num_tokens = pad_to if pad_to is not None else total
+        if pad_tokens is not None:
+            if pad_to is not None:
+                raise ValueError("A step is padded either as a decode batch (pad_to) or by tokens (pad_tokens).")
+            pad_reqs = self.max_num_rows if pad_reqs is None else pad_reqs
+            self._check_mixed_padding(pad_tokens - total, pad_reqs - num_reqs, pad_tokens, pad_reqs)
+            num_rows, num_tokens = pad_reqs, pad_tokens
+        else:
+            num_rows = pad_to if pad_to is not None else num_reqs
+            num_tokens = pad_to if pad_to is not None else total
 
         qsl = self.query_start_loc.np
         qsl[0] = 0
@@ -140,7 +165,9 @@ class InputBuffers:
         self.logits_indices.np[:num_reqs] = cu - 1
         samples = seq_lens == batch.num_tokens[rows]  # [num_reqs] bool
 
-        if num_rows > num_reqs:
+        if pad_tokens is not None:
+            num_bt_rows = num_reqs + self._fill_mixed_padding(num_reqs, total, num_rows, num_tokens)
+        elif num_rows > num_reqs:
             pad = slice(num_reqs, num_rows)
             qsl[num_reqs + 1:num_rows + 1] = total + self._arange_np[1:num_rows - num_reqs + 1]
             self.input_ids.np[pad] = 0
@@ -159,16 +186,22 @@ class InputBuffers:
             self.prev_dst.np[:num_cont] = (starts + newest)[cont]
 
         input_ids = self.input_ids.copy_to_gpu(num_tokens)
-        md = TritonAttentionMetadata(
-            num_actual_tokens=num_tokens, num_reqs=num_rows, max_query_len=int(num_sched.max()),
-            max_seq_len=int(self.seq_lens.np[:num_rows].max()),
-            query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
-            seq_lens=self.seq_lens.copy_to_gpu(num_rows),
-            block_table=self.block_table.copy_to_gpu(num_rows),
-            slot_mapping=self.slot_mapping.copy_to_gpu(num_tokens),
-            query_start_loc_cpu=self.query_start_loc.cpu[:num_rows + 1],
-            seq_lens_cpu=self.seq_lens.cpu[:num_rows],
-            num_splits=num_splits)
+        if pad_tokens is not None:
+            for b, n in ((self.query_start_loc, num_rows + 1), (self.seq_lens, num_rows),
+                         (self.block_table, num_bt_rows), (self.slot_mapping, num_tokens)):
+                b.copy_to_gpu(n)
+            md = self.mixed_metadata(num_tokens, num_rows)
+        else:
+            md = TritonAttentionMetadata(
+                num_actual_tokens=num_tokens, num_reqs=num_rows, max_query_len=int(num_sched.max()),
+                max_seq_len=int(self.seq_lens.np[:num_rows].max()),
+                query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
+                seq_lens=self.seq_lens.copy_to_gpu(num_rows),
+                block_table=self.block_table.copy_to_gpu(num_rows),
+                slot_mapping=self.slot_mapping.copy_to_gpu(num_tokens),
+                query_start_loc_cpu=self.query_start_loc.cpu[:num_rows + 1],
+                seq_lens_cpu=self.seq_lens.cpu[:num_rows],
+                num_splits=num_splits)
         positions_gpu = self.positions.copy_to_gpu(num_tokens)
         logits_indices = self.logits_indices.copy_to_gpu(num_reqs)
         self._num_cont = num_cont
@@ -176,8 +209,8 @@ class InputBuffers:
             self.prev_src.copy_to_gpu(num_cont)
             self.prev_dst.copy_to_gpu(num_cont)
         return StepInputs(req_ids=req_ids, rows=rows, num_scheduled=num_sched, samples=samples,
-                          num_actual_tokens=total, num_padded=pad_to, attn_metadata=md, input_ids=input_ids,
-                          positions=positions_gpu, logits_indices=logits_indices)
+                          num_actual_tokens=total, num_padded=pad_to, num_padded_tokens=pad_tokens, attn_metadata=md,
+                          input_ids=input_ids, positions=positions_gpu, logits_indices=logits_indices)
 
     def apply_prev_sampled(self, prev_sampled: torch.Tensor | None) -> None:
         """Scatter the previous step's sampled ids ([num_prev] int64, device) into this step's input ids."""
@@ -210,6 +243,63 @@ class InputBuffers:
             block_table=self.block_table.gpu[:num_rows], slot_mapping=self.slot_mapping.gpu[:num_rows],
             query_start_loc_cpu=self.query_start_loc.cpu[:num_rows + 1], seq_lens_cpu=self.seq_lens.cpu[:num_rows],
             num_splits=num_splits)
+
+    def _check_mixed_padding(self, num_pad_tokens: int, num_pad_rows: int, num_tokens: int, num_rows: int) -> None:
+        if num_pad_tokens < 0 or num_pad_rows < 0 or num_rows > self.max_num_rows:
+            raise ValueError(f"A step padded to {num_tokens} tokens and {num_rows} rows has more tokens or requests, "
+                             f"or the rows exceed {self.max_num_rows}.")
+        if num_pad_rows * self.max_model_len < num_pad_tokens:
+            raise ValueError(f"{num_pad_tokens} padding tokens do not fit in {num_pad_rows} padding requests of at "
+                             f"most {self.max_model_len} tokens.")
+
+    def _fill_mixed_padding(self, first_row: int, first_token: int, num_rows: int, num_tokens: int) -> int:
+        """Padding requests at rows first_row.. for tokens first_token:num_tokens (at most max_model_len tokens
+        each), then zero-token rows up to num_rows; returns the number of padding requests with tokens (their
+        block-table rows are written, and must be copied)."""
+        n = num_tokens - first_token
+        cap = self.max_model_len
+        num_full, rest = divmod(n, cap)
+        lens = [cap] * num_full + ([rest] if rest else [])  # tokens of each padding request
+        k = len(lens)
+        qsl = self.query_start_loc.np
+        qsl[first_row + 1:first_row + 1 + k] = first_token + np.cumsum(lens, dtype=np.int64)
+        qsl[first_row + 1 + k:num_rows + 1] = num_tokens
+        self.seq_lens.np[first_row:first_row + k] = lens
+        self.seq_lens.np[first_row + k:num_rows] = 0
+        self.block_table.np[first_row:first_row + k] = self.scratch_block
+        pad = slice(first_token, num_tokens)
+        self.input_ids.np[pad] = 0
+        # NOTE: positions only feed the rotary embedding (attention takes a query's position from seq_lens), and 0
+        # is inside every rotary cache; the slot of a padding request's token t is the scratch block's t % block_size,
+        # where the block table says its key is.
+        self.positions.np[pad] = 0
+        self.slot_mapping.np[pad] = self.scratch_block * self.block_size + self._arange_np[:n] % cap % self.block_size
+        return k
+
+    def fill_dummy_mixed(self, num_tokens: int, num_rows: int) -> None:
+        """Inputs of a mixed batch of num_tokens tokens and num_rows rows made only of padding (what a mixed CUDA
+        graph would be warmed up and captured on)."""
+        self.wait_for_copies()
+        self._check_mixed_padding(num_tokens, num_rows, num_tokens, num_rows)
+        self.query_start_loc.np[0] = 0
+        k = self._fill_mixed_padding(0, 0, num_rows, num_tokens)
+        for b, n in ((self.input_ids, num_tokens), (self.positions, num_tokens), (self.slot_mapping, num_tokens),
+                     (self.query_start_loc, num_rows + 1), (self.seq_lens, num_rows), (self.block_table, k)):
+            b.copy_to_gpu(n)
+        self.record_copies()
+
+    def mixed_metadata(self, num_tokens: int, num_rows: int) -> TritonAttentionMetadata:
+        """Metadata over the device buffers for a step padded to num_tokens tokens and num_rows rows. Its ints are
+        fixed per (num_tokens, num_rows), as a CUDA graph captures them: max_query_len = num_tokens (> 1, so the
+        unified kernel takes its prefill tile, BLOCK_M 64, for every mixed batch), max_seq_len = max_model_len,
+        one KV split."""
+        return TritonAttentionMetadata(
+            num_actual_tokens=num_tokens, num_reqs=num_rows, max_query_len=max(num_tokens, 2),
+            max_seq_len=self.max_model_len, query_start_loc=self.query_start_loc.gpu[:num_rows + 1],
+            seq_lens=self.seq_lens.gpu[:num_rows], block_table=self.block_table.gpu[:num_rows],
+            slot_mapping=self.slot_mapping.gpu[:num_tokens],
+            query_start_loc_cpu=self.query_start_loc.cpu[:num_rows + 1], seq_lens_cpu=self.seq_lens.cpu[:num_rows],
+            num_splits=1)
 
     def sampling_tensor(self, buffer: CpuGpuBuffer, values: np.ndarray) -> torch.Tensor:
         n = len(values)

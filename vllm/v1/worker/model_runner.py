@@ -17,12 +17,16 @@ Invariants:
 - A graphed decode step samples all B padded rows: the padding rows get neutral settings (temperature 1, top_k
   = the batch's max_top_k, no top-p/min-p, no mask) and their outputs are cut off; the sampler's fallback rows
   are chosen real rows first (stable order), so padding can never take a fallback slot from a real row.
+- A mixed step padded to T tokens (pad_eager_mixed; see cudagraph.py for the graphs a GPU session may add)
+  runs its forward over all T tokens and max_num_seqs + 1 request rows; its logits and sampler run eagerly on
+  the real requests' last tokens only, as an unpadded step's do.
 - A sampled token is counted in InputBatch.num_tokens when it is sampled; its value reaches token_ids_cpu when
   its step's output is read back (`get_output()`), which the engine does before it schedules two steps later.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -47,7 +51,8 @@ from vllm.v1.sample.fast_path import fast_path_applies
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.sample.sampling_mask import SamplingMaskTensors
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput, AsyncOutputCopier
-from vllm.v1.worker.cudagraph import CudaGraphManager, SamplerGraphs, resolve_capture_sizes
+from vllm.v1.worker.cudagraph import (CudaGraphManager, SamplerGraphs, resolve_capture_sizes,
+                                      resolve_mixed_capture_sizes)
 from vllm.v1.worker.input_batch import InputBatch
 from vllm.v1.worker.input_prep import InputBuffers, StepInputs
 
@@ -85,6 +90,11 @@ class ModelRunner:
                                and self.attn_backend.name == "TRITON")
         # NOTE: tests set this to run decode steps padded exactly as for a CUDA graph, but eagerly (e.g. on CPU).
         self.pad_eager_decode = False
+        # NOTE: tests set this to run mixed steps (prefills among decodes) padded to the smallest of
+        # mixed_capture_sizes that holds their tokens, and to max_num_seqs + 1 rows, eagerly: the shapes a mixed
+        # CUDA graph would have (not captured yet, see cudagraph.py).
+        self.pad_eager_mixed = False
+        self.mixed_capture_sizes = resolve_mixed_capture_sizes(None, self.max_num_tokens, self.max_model_len)
         # Logits + sampler of graphed decode steps (VLLM_SAMPLER_CUDA_GRAPH=0: eager); tests that wrap the sampler
         # set it to None, or to SamplerGraphs(capture=False) to run the padded sampler eagerly.
         self.sampler_graphs: SamplerGraphs | None = (
@@ -193,9 +203,12 @@ class ModelRunner:
         pad_to = None
         if so.total_num_scheduled_tokens == num_reqs and (self.use_cuda_graph or self.pad_eager_decode):
             pad_to = self.cudagraphs.padded_size(num_reqs)
+        pad_tokens = None
+        if so.total_num_scheduled_tokens != num_reqs and self.pad_eager_mixed:
+            pad_tokens = self._mixed_padded_size(so.total_num_scheduled_tokens)
         buffers = self.input_buffers
         inputs = buffers.prepare(self.input_batch, so, pad_to,
-                                 self._graph_num_splits(pad_to) if pad_to is not None else None)
+                                 self._graph_num_splits(pad_to) if pad_to is not None else None, pad_tokens)
         buffers.apply_prev_sampled(self._prev_sampled)
         graph_rows = pad_to if pad_to is not None and self.sampler_graphs is not None else None
         meta = self._sampling_metadata(inputs, graph_rows)
@@ -222,6 +235,11 @@ class ModelRunner:
             timer.add("launch.model", t2 - t1)
             timer.add("launch.out", time.perf_counter() - t2)
         return result
+
+    def _mixed_padded_size(self, num_tokens: int) -> int | None:
+        """The smallest mixed size >= num_tokens, or None when the step is larger than every size."""
+        i = bisect.bisect_left(self.mixed_capture_sizes, num_tokens)
+        return self.mixed_capture_sizes[i] if i < len(self.mixed_capture_sizes) else None
 
     def _sampler_graphable(self, meta: SamplingMetadata, rows: int) -> bool:
         """Whether this padded step's logits + sampler can run as a sampler graph: not for seeded rows, the
@@ -269,8 +287,8 @@ class ModelRunner:
         return out
 
     def _forward_rows(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of every row of the step's inputs: [num_padded or num_actual_tokens, hidden_size] (a
-        captured graph's static output for a padded step of a captured size)."""
+        """Hidden states of every row of the step's inputs: [num_padded, num_padded_tokens or num_actual_tokens,
+        hidden_size] (a captured graph's static output for a padded decode step of a captured size)."""
         if inputs.num_padded is not None and self.use_cuda_graph and inputs.num_padded in self.cudagraphs.graphs:
             return self.cudagraphs.replay(inputs.num_padded)
         with set_forward_context(inputs.attn_metadata, self.kv_caches):
