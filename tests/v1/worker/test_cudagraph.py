@@ -227,3 +227,134 @@ def test_sampler_graphs_bookkeeping_without_capture() -> None:
     assert graphs.run(4, "new", lambda size: (lambda: None)) is None  # after a failed capture
     graphs.failed = False
     assert graphs.run(3, "new", lambda size: (lambda: None)) is None  # not a capture size
+
+
+# ---- Mixed steps padded to a fixed shape (tokens and request rows) -------------------------------------------
+
+# Eight requests; each owns 5 blocks (20 tokens) of the 40, the scratch block is 40.
+MIXED_PROMPTS = [[5, 17, 42, 9, 3], [1, 2, 3, 4, 5, 6, 7], [30, 31, 32], [8, 8, 8, 8, 8, 8, 8, 8, 8],
+                 [11, 12, 13, 14, 15, 16], [40, 41, 42, 43], [50, 51, 52, 53, 54, 55, 56, 57], [60, 61]]
+# Scheduled tokens per request and step; a request's first appearance is its new-request step. Step 0: r1 is a
+# partial prefill (4 of 7, no sample); step 2: 12 tokens, exactly the mixed size 12 (no padding tokens); step 3:
+# all 8 requests (max_num_seqs), so the padding request takes the one spare row; r6 is partial (2 of 8); step 4
+# is a pure decode step; step 5 finishes r6's prompt among decodes.
+MIXED_STEPS = [{"r0": 5, "r1": 4}, {"r0": 1, "r1": 3, "r2": 3}, {"r2": 1, "r0": 1, "r1": 1, "r3": 9},
+               {"r3": 1, "r4": 6, "r0": 1, "r5": 4, "r1": 1, "r6": 2, "r2": 1, "r7": 2},
+               {"r7": 1, "r5": 1, "r4": 1, "r3": 1, "r2": 1, "r1": 1, "r0": 1},
+               {"r0": 1, "r6": 6, "r1": 1, "r2": 1, "r3": 1, "r4": 1, "r5": 1, "r7": 1}]
+MIXED_SIZES = [12, 16, 32]
+# The size each step is padded to: 9 -> 12, 7 -> 12, 12 -> 12, 24 -> 32, decode (not padded as mixed), 13 -> 16.
+MIXED_PADS = [12, 12, 12, 32, None, 16]
+
+
+def _run_mixed_steps(runner: ModelRunner, params: SamplingParams, steps: list[dict[str, int]] = MIXED_STEPS
+                     ) -> list[Any]:
+    """Run `steps` (scheduled tokens per request id r<i>); returns each step's ModelRunnerOutput."""
+    computed: dict[str, int] = {}
+    outputs = []
+    for sched in steps:
+        new = [NewRequestData(r, MIXED_PROMPTS[int(r[1:])], [], params,
+                              list(range(5 * int(r[1:]), 5 * int(r[1:]) + 5)), 0) for r in sched if r not in computed]
+        old = [r for r in sched if r in computed]
+        cached = CachedRequestData(old, [[] for _ in old], [computed[r] for r in old])
+        outputs.append(runner.execute_model(SchedulerOutput(new, cached, dict(sched), sum(sched.values()), set())))
+        for r, n in sched.items():
+            computed[r] = computed.get(r, 0) + n
+    return outputs
+
+
+def _mixed_runners(backend: str, **kwargs: Any) -> tuple[ModelRunner, ModelRunner, list[int | None]]:
+    """An unpadded runner and one that pads mixed steps to MIXED_SIZES (and decode steps as for graphs); the
+    list collects the pad_tokens of the padded runner's steps."""
+    ref, _ = _runner("cpu", **kwargs)
+    padded, _ = _runner("cpu", capture_sizes=[2, 4, 8], **kwargs)
+    padded.pad_eager_mixed = True
+    padded.pad_eager_decode = True
+    padded.mixed_capture_sizes = MIXED_SIZES
+    if backend == "TRITON":
+        for runner in (ref, padded):
+            runner.attn_backend = TritonAttentionBackend()
+            set_attn_backend(runner.model, runner.attn_backend)
+    seen: list[int | None] = []
+    prepare = padded.input_buffers.prepare
+    padded.input_buffers.prepare = lambda *a, **k: (seen.append(a[4]), prepare(*a, **k))[1]  # type: ignore
+    return ref, padded, seen
+
+
+def _skip_triton_on_cuda(backend: str) -> None:
+    if backend == "TRITON" and torch.cuda.is_available() and not triton.knobs.runtime.interpret:
+        pytest.skip("CPU tensors through Triton need the interpreter")
+
+
+def test_mixed_capture_sizes() -> None:
+    from vllm.v1.worker.cudagraph import resolve_mixed_capture_sizes
+    assert resolve_mixed_capture_sizes(None, 1024, 4096) == [256, 512, 768, 1024]
+    assert resolve_mixed_capture_sizes(None, 600, 4096) == [256, 512, 600]
+    assert resolve_mixed_capture_sizes(None, 64, 4096) == [64]
+    # Gaps wider than max_model_len get sizes inside them, so one padding request always holds the padding.
+    assert resolve_mixed_capture_sizes(None, 512, 100) == [100, 200, 256, 356, 456, 512]
+    assert resolve_mixed_capture_sizes([48, 8, 1000], 64, 20) == [8, 28, 48]
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_padded_mixed_steps_match_unpadded(backend: str) -> None:
+    """Every step's logits and tokens equal the unpadded runner's, and the KV cache of the requests' blocks after
+    six steps too: the padding requests write only the scratch block."""
+    _skip_triton_on_cuda(backend)
+    ref, padded, seen = _mixed_runners(backend)
+    recorders = [ref.sampler, padded.sampler]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    shapes: list[tuple[int, int, int]] = []
+    forward = padded._forward_rows
+
+    def record_shape(inputs: Any) -> torch.Tensor:
+        md = inputs.attn_metadata
+        shapes.append((md.num_actual_tokens, md.num_reqs, md.max_query_len))
+        return forward(inputs)
+
+    padded._forward_rows = record_shape  # type: ignore[method-assign]
+    got, want = _run_mixed_steps(padded, params), _run_mixed_steps(ref, params)
+    assert seen == MIXED_PADS
+    # Mixed steps: T tokens, max_num_seqs + 1 rows, max_query_len = T; the decode step is padded to 8 rows.
+    assert shapes == [(12, 9, 12), (12, 9, 12), (12, 9, 12), (32, 9, 32), (8, 8, 1), (16, 9, 16)]
+    for g, w in zip(got, want):
+        assert g.req_ids == w.req_ids and g.sampled_token_ids == w.sampled_token_ids
+    assert [len(o.sampled_token_ids[o.req_id_to_index["r1"]]) for o in got[:2]] == [0, 1]  # partial, then done
+    want_logits, got_logits = recorders[0].logits, recorders[1].logits  # type: ignore[union-attr]
+    assert len(got_logits) == len(want_logits) == len(MIXED_STEPS)
+    for a, b in zip(got_logits, want_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for cache_pad, cache_ref in zip(padded.kv_caches, ref.kv_caches):
+        torch.testing.assert_close(cache_pad[:, :40], cache_ref[:, :40], rtol=1e-5, atol=1e-5)
+        assert cache_pad[:, 40].abs().sum() > 0 and cache_ref[:, 40].abs().sum() == 0
+
+
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
+def test_padded_mixed_sampler_matches_unpadded(backend: str) -> None:
+    """top_k=1 with logprobs and sampling masks: tokens, logprobs, ranks and masks per request equal."""
+    _skip_triton_on_cuda(backend)
+    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
+    ref, padded, seen = _mixed_runners(backend, **kwargs)
+    params = SamplingParams(temperature=1.0, top_k=1, logprobs=2, max_tokens=16, ignore_eos=True)
+    got, want = _run_mixed_steps(padded, params), _run_mixed_steps(ref, params)
+    assert seen == MIXED_PADS
+    for g, w in zip(got, want):
+        assert g.req_ids == w.req_ids and g.sampled_token_ids == w.sampled_token_ids
+        for j in range(len(g.req_ids)):
+            assert g.logprobs.logprob_token_ids[j].tolist() == w.logprobs.logprob_token_ids[j].tolist()
+            assert g.logprobs.logprobs[j].tolist() == pytest.approx(w.logprobs.logprobs[j].tolist(), abs=1e-5)
+            assert g.logprobs.sampled_token_ranks[j] == w.logprobs.sampled_token_ranks[j]
+            gm, wm = g.sampling_masks, w.sampling_masks
+            assert (gm.token_ids[gm.offsets[j]:gm.offsets[j + 1]].tolist()
+                    == wm.token_ids[wm.offsets[j]:wm.offsets[j + 1]].tolist())
+        assert bytes(g.sampling_mask_text.text) == bytes(w.sampling_mask_text.text)
+
+
+def test_padded_mixed_step_too_large_runs_unpadded() -> None:
+    """A mixed step larger than every mixed size runs unpadded (and still matches)."""
+    ref, padded, seen = _mixed_runners("TORCH")
+    padded.mixed_capture_sizes = [8]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got, want = _run_mixed_steps(padded, params), _run_mixed_steps(ref, params)
+    assert seen == [None, 8, None, None, None, None]
+    assert [o.sampled_token_ids for o in got] == [o.sampled_token_ids for o in want]
