@@ -98,3 +98,72 @@ def test_rows_move_with_their_state() -> None:
     assert batch.req_id_to_index == {"b": 0}
     assert batch.prev_sampled_idx[0] == 4 and batch.num_tokens[0] == 4
     np.testing.assert_array_equal(batch.token_ids_cpu[0, :4], [20, 21, 22, 23])
+
+
+def test_mixed_padding_hand_worked() -> None:
+    batch, buffers = _batch(), _buffers()
+    buffers.block_table.np[:] = 77  # stale rows from earlier steps
+    inp = buffers.prepare(batch, _so({"b": 1, "a": 5}), None, None, pad_tokens=11, pad_reqs=4)
+    md = inp.attn_metadata
+    assert (md.num_actual_tokens, md.num_reqs, md.max_query_len, md.max_seq_len, md.num_splits) == (11, 4, 11, 16, 1)
+    assert (inp.num_actual_tokens, inp.num_padded, inp.num_padded_tokens, inp.num_reqs) == (6, None, 11, 2)
+    # Real requests first; the padding request owns tokens 6..10; row 3 has no tokens.
+    assert md.query_start_loc.tolist() == [0, 1, 6, 11, 11]
+    assert inp.input_ids.tolist() == [23, 10, 11, 12, 13, 14, 0, 0, 0, 0, 0]
+    assert inp.positions.tolist() == [3, 0, 1, 2, 3, 4, 0, 0, 0, 0, 0]
+    s = SCRATCH * BLOCK_SIZE
+    assert md.slot_mapping.tolist() == [23, 12, 13, 14, 15, 28, s, s + 1, s + 2, s + 3, s]
+    assert md.seq_lens.tolist() == [4, 5, 5, 0]
+    assert md.block_table[2].tolist() == [SCRATCH] * 4
+    assert md.block_table[3].tolist() == [77] * 4  # a zero-token row's block-table row is never read
+    assert inp.logits_indices.tolist() == [0, 5] and inp.samples.tolist() == [True, True]
+
+
+def test_mixed_padding_without_padding_tokens_and_default_rows() -> None:
+    batch, buffers = _batch(), _buffers()
+    inp = buffers.prepare(batch, _so({"a": 3, "b": 1}), None, None, pad_tokens=4)
+    md = inp.attn_metadata
+    assert buffers.max_num_rows == 5 and (md.num_actual_tokens, md.num_reqs) == (4, 5)
+    assert md.query_start_loc.tolist() == [0, 3, 4, 4, 4, 4]
+    assert md.seq_lens.tolist() == [3, 4, 0, 0, 0]
+    assert inp.samples.tolist() == [False, True] and inp.logits_indices.tolist() == [2, 3]
+
+
+def test_mixed_padding_longer_than_max_model_len() -> None:
+    """Padding tokens beyond max_model_len (16) go to further padding requests, never past a block-table row."""
+    batch = _batch()
+    buffers = InputBuffers(max_num_reqs=4, max_num_tokens=40, max_model_len=16, max_num_blocks_per_req=4,
+                           block_size=BLOCK_SIZE, scratch_block=SCRATCH, device=torch.device("cpu"))
+    inp = buffers.prepare(batch, _so({"b": 1, "a": 5}), None, None, pad_tokens=40, pad_reqs=5)
+    md = inp.attn_metadata
+    assert md.query_start_loc.tolist() == [0, 1, 6, 22, 38, 40]
+    assert md.seq_lens.tolist() == [4, 5, 16, 16, 2]
+    assert md.block_table[2:].tolist() == [[SCRATCH] * 4] * 3
+    s = SCRATCH * BLOCK_SIZE
+    assert md.slot_mapping[6:].tolist() == [s + i % 4 for i in range(16)] * 2 + [s, s + 1]
+    with pytest.raises(ValueError, match="do not fit"):
+        buffers.prepare(batch, _so({"b": 1, "a": 5}), None, None, pad_tokens=40, pad_reqs=3)
+
+
+def test_mixed_padding_rejects_bad_shapes() -> None:
+    batch, buffers = _batch(), _buffers()
+    with pytest.raises(ValueError, match="more tokens or requests"):
+        buffers.prepare(batch, _so({"b": 1, "a": 5}), None, None, pad_tokens=5, pad_reqs=4)
+    with pytest.raises(ValueError, match="more tokens or requests"):
+        buffers.prepare(batch, _so({"b": 1, "a": 5}), None, None, pad_tokens=8, pad_reqs=6)
+    with pytest.raises(ValueError, match="do not fit"):  # padding tokens but no spare row
+        buffers.prepare(batch, _so({"b": 1, "a": 5}), None, None, pad_tokens=8, pad_reqs=2)
+    with pytest.raises(ValueError, match="either"):
+        buffers.prepare(batch, _so({"b": 1}), 2, None, pad_tokens=8)
+    # Exactly the real tokens and rows: nothing to pad, no spare row needed.
+    inp = buffers.prepare(batch, _so({"b": 1, "a": 5}), None, None, pad_tokens=6, pad_reqs=2)
+    assert inp.attn_metadata.query_start_loc.tolist() == [0, 1, 6]
+
+
+def test_fill_dummy_mixed() -> None:
+    buffers = _buffers()
+    buffers.fill_dummy_mixed(10, 3)
+    md = buffers.mixed_metadata(10, 3)
+    assert md.query_start_loc.tolist() == [0, 10, 10, 10] and md.seq_lens.tolist() == [10, 0, 0]
+    assert md.block_table[0].tolist() == [SCRATCH] * 4
+    assert buffers.slot_mapping.np[:10].tolist() == [SCRATCH * BLOCK_SIZE + i % 4 for i in range(10)]
