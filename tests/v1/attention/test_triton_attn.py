@@ -182,3 +182,73 @@ def test_cuda_bf16_large(decode_only: bool) -> None:
         lens = [(1 if i % 2 else min(q, s), s) for i, (q, s) in enumerate(zip(q_lens, seq_lens))]
     out, ref = run_both(lens, 12, 2, 128, 16, dtype=torch.bfloat16, num_padding=5)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def _pad_like_a_mixed_graph(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                            meta: AttentionMetadata, num_pad: int, num_zero: int, zero_at: int,
+                            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                           torch.Tensor, AttentionMetadata]:
+    """The batch of `meta` padded as input_prep pads a mixed step: a scratch block (appended to the cache), one
+    padding request of num_pad tokens whose block-table row is all scratch, and num_zero zero-token requests
+    (seq_len 0) whose block-table rows hold ids far outside the cache (they must never be read); the zero-token
+    rows go after the padding request, or, with zero_at < num_reqs, before real request zero_at (the kernel
+    allows them anywhere)."""
+    n, num_reqs = meta.num_actual_tokens, meta.num_reqs
+    block_size = kv_cache.shape[2]
+    scratch = kv_cache.shape[1]
+    kv_cache = torch.cat([kv_cache, torch.randn(kv_cache[:, :1].shape, generator=gen).to(kv_cache)], dim=1)
+    width = max(meta.block_table.shape[1], -(-num_pad // block_size))
+    real_bt = torch.zeros(num_reqs, width, dtype=torch.int32)
+    real_bt[:, :meta.block_table.shape[1]] = meta.block_table.cpu()
+    qsl, seq_lens = meta.query_start_loc_cpu.tolist(), meta.seq_lens_cpu.tolist()
+    # (query_start, seq_len, block-table row) per request, in order.
+    rows = [(qsl[i], seq_lens[i], real_bt[i]) for i in range(num_reqs)]
+    rows.append((n, num_pad, torch.full((width,), scratch, dtype=torch.int32)))
+    zero = [(None, 0, torch.full((width,), 2 ** 30, dtype=torch.int32))] * num_zero
+    rows = rows[:zero_at] + zero + rows[zero_at:] if zero_at < num_reqs else rows + zero
+    total = n + num_pad
+    starts = [total] * len(rows)
+    for j in reversed(range(len(rows))):  # a zero-token row starts where the next request starts
+        starts[j] = rows[j][0] if rows[j][0] is not None else (starts[j + 1] if j + 1 < len(rows) else total)
+    query_start_loc = torch.tensor(starts + [total], dtype=torch.int32)
+    seq = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    block_table = torch.stack([r[2] for r in rows])
+    pad_slots = scratch * block_size + torch.arange(num_pad) % block_size
+    slot_mapping = torch.cat([meta.slot_mapping.cpu(), pad_slots])
+    extra = lambda t: torch.cat([t.cpu(), torch.randn((num_pad, *t.shape[1:]), generator=gen).to(t)])  # noqa: E731
+    padded = AttentionMetadata(
+        num_actual_tokens=total, num_reqs=len(rows), max_query_len=max(total, 2), max_seq_len=int(seq.max()),
+        query_start_loc=query_start_loc.to(DEVICE), seq_lens=seq.to(DEVICE), block_table=block_table.to(DEVICE),
+        slot_mapping=slot_mapping.to(DEVICE), query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq)
+    return (extra(query).to(DEVICE), extra(key).to(DEVICE), extra(value).to(DEVICE), kv_cache.to(DEVICE),
+            padded)
+
+
+@pytest.mark.parametrize("lens", [MIXED, [(9, 9), (1, 5), (1, 12)]], ids=["mixed", "prefill+decodes"])
+@pytest.mark.parametrize("num_pad,num_zero,zero_at", [(0, 1, 99), (5, 0, 99), (37, 3, 99), (3, 2, 1), (70, 1, 0)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_zero_token_and_padding_requests_leave_real_rows_unchanged(lens: list[tuple[int, int]], num_pad: int,
+                                                                   num_zero: int, zero_at: int,
+                                                                   block_size: int) -> None:
+    """A batch padded as input_prep pads a mixed step (one padding request on a scratch block, zero-token rows)
+    gives the real tokens the unpadded batch's outputs bit for bit, writes the same KV cache outside the scratch
+    block, and finite outputs for the padding tokens; the torch reference agrees on the padded batch."""
+    num_heads, num_kv_heads, head_size = 4, 2, 32
+    query, key, value, kv_cache, meta = make_batch(lens, num_heads, num_kv_heads, head_size, block_size,
+                                                   torch.float32)
+    # Rows past num_actual_tokens may hold anything: make_batch's inputs have none.
+    n = meta.num_actual_tokens
+    gen = torch.Generator().manual_seed(7)
+    q_p, k_p, v_p, cache_p, meta_p = _pad_like_a_mixed_graph(query, key, value, kv_cache, meta, num_pad, num_zero,
+                                                             zero_at, gen)
+    scale = head_size ** -0.5
+    # Same kernel variant for both (max_query_len > 1): MIXED has prefills, the other list too.
+    out = TritonAttentionBackend().forward(query, key, value, kv_cache, meta, scale)
+    out_p = TritonAttentionBackend().forward(q_p, k_p, v_p, cache_p, meta_p, scale)
+    torch.testing.assert_close(out_p[:n], out[:n], atol=0, rtol=0)
+    torch.testing.assert_close(cache_p[:, :-1], kv_cache, atol=0, rtol=0)
+    assert torch.isfinite(out_p[n:]).all()
+    # NOTE: real rows only: padding tokens more than a block apart share a scratch slot, and which write wins
+    # is up to each backend (on a GPU, up to the schedule).
+    ref_p = TorchAttentionBackend().forward(q_p, k_p, v_p, cache_p.clone(), meta_p, scale)
+    torch.testing.assert_close(out_p[:n], ref_p[:n], atol=1e-4, rtol=1e-4)
