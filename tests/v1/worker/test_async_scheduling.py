@@ -78,10 +78,11 @@ def test_seeded_logprobs_and_masks_match() -> None:
             assert token in support and len(support) <= 20
 
 
-@pytest.mark.parametrize("pad_decode", [False, True])
-def test_preemption_and_chunked_prefill_match(pad_decode: bool) -> None:
+@pytest.mark.parametrize("pad_decode,pad_mixed", [(False, False), (True, False), (True, True)])
+def test_preemption_and_chunked_prefill_match(pad_decode: bool, pad_mixed: bool) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     results, preempted = {}, {}
+    mixed_pads: list[int] = []
     for flag in (False, True):
         # 12 blocks of 4 tokens cannot hold 8 growing requests; 8-token steps chunk every prompt.
         llm = LLM(device="cpu", max_num_seqs=8, max_model_len=32, block_size=4, num_gpu_blocks_override=12,
@@ -89,6 +90,10 @@ def test_preemption_and_chunked_prefill_match(pad_decode: bool) -> None:
         core = _engine_core(llm)
         runner = core.worker.model_runner
         runner.pad_eager_decode = pad_decode
+        # Mixed steps are padded to 8 tokens and 9 rows (the only mixed size: the token budget).
+        runner.pad_eager_mixed = pad_mixed
+        prepare = runner.input_buffers.prepare
+        runner.input_buffers.prepare = lambda *a, p=prepare, **k: (mixed_pads.append(a[4]), p(*a, **k))[1]
         sched, names = core.scheduler, []
         original = sched._preempt
         sched._preempt = lambda req, o=original, n=names: (n.append(req.request_id), o(req))[1]
@@ -98,6 +103,11 @@ def test_preemption_and_chunked_prefill_match(pad_decode: bool) -> None:
         assert not core.batch_queue and runner.input_batch.num_reqs <= 8
     assert preempted[False] and preempted[True], "the KV budget was meant to force preemption"
     assert _summary(results[True]) == _summary(results[False])
+    assert (8 in mixed_pads) == pad_mixed and set(mixed_pads) <= {None, 8}
+    if pad_mixed:  # and the padded runs give the unpadded tokens
+        llm = LLM(device="cpu", max_num_seqs=8, max_model_len=32, block_size=4, num_gpu_blocks_override=12,
+                  max_num_batched_tokens=8, async_scheduling=False)
+        assert _summary(llm.generate(PROMPTS[:8], greedy, use_tqdm=False)) == _summary(results[False])
 
 
 def test_abort_mid_flight_matches() -> None:
