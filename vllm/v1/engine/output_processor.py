@@ -210,11 +210,10 @@ class RequestState:
                 raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens without "
                                    "their sampling masks after sending masks before.")
             return
-        # NOTE: the rows are views of the step's message (with several API servers, of a span of several
-        # clients' rows): a request that keeps its masks until it finishes copies its own rows, so that it does
-        # not keep every step's message alive; a streamed (DELTA) request hands each step's rows on at once and
-        # holds only the latest step's (holding all of them kept every step's message alive for the request's
-        # life: hundreds of MB per API server at 1024 streams).
+        # NOTE: the rows are views of the step's message: a request that keeps its masks until it finishes copies
+        # its own rows, so that it does not keep every step's message alive; a streamed (DELTA) request holds
+        # views only of the steps whose output its stream has not taken yet (holding all of them kept every
+        # step's message alive for the request's life: hundreds of MB per API server at 1024 streams).
         ids = new_mask.rows() if new_mask is not None else None
         texts = new_text.rows() if new_text is not None else None
         for rows in (ids, texts):
@@ -233,7 +232,6 @@ class RequestState:
             ids = [ids_from_json_text(t) for t in texts]  # type: ignore[union-attr]
         if texts is None and self.sampling_masks is None:
             texts = [np.frombuffer(json_text_of(a), dtype=np.uint8) for a in ids]  # type: ignore[union-attr]
-        # NOTE: DELTA rows stay views: they are held only until their output is handed out.
         if self.output_kind != RequestOutputKind.DELTA:
             ids = [a.copy() for a in ids] if ids is not None else None
             texts = [t.copy() for t in texts] if texts is not None else None
