@@ -178,16 +178,16 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         timer = getattr(self.engine_core, "step_timer", None)
         log_every = _STEP_TIMING_LOG_S if timer is not None and envs.VLLM_ENGINE_STEP_TIMING else None
-        last_log = time.monotonic()
         # With the step timing, the core's garbage-collection pauses too (one line per window).
         gc_timer = GcTimer().install() if log_every is not None else None
         try:
-            self._busy_loop(timer, log_every, last_log, gc_timer)
+            self._busy_loop(timer, log_every, gc_timer)
         finally:
             if gc_timer is not None:
                 gc_timer.uninstall()
 
-    def _busy_loop(self, timer: Any, log_every: float | None, last_log: float, gc_timer: GcTimer | None) -> None:
+    def _busy_loop(self, timer: Any, log_every: float | None, gc_timer: GcTimer | None) -> None:
+        last_log = time.monotonic()
         while not self.should_stop:
             idle = not self.engine_core.has_unfinished_requests()
             t0 = time.perf_counter()

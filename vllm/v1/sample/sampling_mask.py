@@ -182,13 +182,14 @@ class SamplingMaskTensors(NamedTuple):
         Rows past the first n of a padded graph step must have count 0 (their padding rows do) and, with a group,
         a group after every real row's (MASK_GROUP_PAD): they then add nothing to the packed ids, and only
         trailing "[]" texts past the first n rows' texts."""
-        text = text_lengths = text_group = None
-        if with_text:
-            if group is not None:
-                text_group = group.to(dtype=torch.int32, copy=True)
-            text, text_lengths = json_rows_packed(self.token_ids, self.counts, text_group)
-        return self._replace(packed_ids=pack_rows(self.token_ids, self.counts), text=text, text_lengths=text_lengths,
-                             text_group=text_group)
+        mask = self.with_text_group(group) if with_text and group is not None else self
+        text, text_lengths = mask._json_text() if with_text else (None, None)
+        return mask._replace(packed_ids=pack_rows(self.token_ids, self.counts), text=text, text_lengths=text_lengths)
+
+    def with_text_group(self, group: torch.Tensor) -> SamplingMaskTensors:
+        """This mask with its text's row groups (`prepack`): a copy of `group` made now, on the current stream,
+        since the copy stream reads it later and the caller's buffer is the next step's input."""
+        return self._replace(text_group=group.to(dtype=torch.int32, copy=True))
 
     def narrow(self, n: int) -> SamplingMaskTensors:
         """The first n rows (views); the packed ids and text keep their whole buffers, whose first n rows come
@@ -290,10 +291,10 @@ class SamplingMaskCopy:
         rank = None
         packed_lengths = np.maximum(lengths, 0)
         if self.text_group is not None:
-            order = np.argsort(self.text_group.numpy(), kind="stable")
-            rank = np.empty(len(order), dtype=np.int64)
-            rank[order] = np.arange(len(order))
-            packed_lengths = packed_lengths[order]
+            rank = group_rank(self.text_group.numpy())
+            in_rows = packed_lengths
+            packed_lengths = np.empty_like(in_rows)
+            packed_lengths[rank] = in_rows  # row r's length at its place in the packing
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(packed_lengths, out=offsets[1:])
         if not (lengths < 0).any():
@@ -313,6 +314,15 @@ class SamplingMaskCopy:
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
         np.cumsum([len(p) for p in pieces], out=offsets[1:])
         return SamplingMaskText(np.frombuffer(b"".join(pieces), dtype=np.uint8), offsets)
+
+
+def group_rank(group: np.ndarray) -> np.ndarray:
+    """[R] int64: each row's place in a packing of the rows by group (groups ascending, row order within one),
+    the order json_rows_packed writes with a group."""
+    order = np.argsort(group, kind="stable")
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return rank
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
