@@ -201,6 +201,9 @@ class EngineCoreProc:
                 outputs = self.engine_core.step()
                 t2 = time.perf_counter()
                 self.send_outputs(outputs)
+                # NOTE: not kept through the next step: its masks may be views of a lending staging slot
+                # (vllm/v1/worker/async_output.py) that the next step could otherwise take.
+                del outputs
                 if timer is not None:
                     if not idle:  # an idle core blocked for its first request: not a step's time
                         timer.add("inputs", t1 - t0)
