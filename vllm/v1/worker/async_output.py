@@ -108,6 +108,8 @@ class AsyncOutputCopier:
             mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot)
             if self.timer is not None:
                 self.timer.add("launch.mask", time.perf_counter() - t0)
+                if lent is None and slot is not None:
+                    self.timer.count("mask.copied")
         args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent)  # what the lists are built from
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
