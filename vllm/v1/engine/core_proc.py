@@ -77,14 +77,17 @@ class EngineCoreProc:
         self.request_decoder = MsgpackDecoder(EngineCoreRequest)
         self.generic_decoder = MsgpackDecoder()
         self.should_stop = False
+        # VLLM_ENGINE_SEND_COPY: every output frame copied by pyzmq (an experiment; zero-copy by default).
+        self.send_copy = envs.VLLM_ENGINE_SEND_COPY
 
     def send(self, kind: bytes, payload: Any, client: int = 0) -> None:
-        self.output_sockets[client].send_multipart((kind, *self.encoder.encode_frames(payload)), copy=False)
+        self.output_sockets[client].send_multipart((kind, *self.encoder.encode_frames(payload)),
+                                                   copy=self.send_copy)
 
     def broadcast(self, kind: bytes, payload: Any) -> None:
         frames = (kind, *self.encoder.encode_frames(payload))
         for socket in self.output_sockets:
-            socket.send_multipart(frames, copy=False)
+            socket.send_multipart(frames, copy=self.send_copy)
 
     def send_outputs(self, outputs: EngineCoreOutputs) -> None:
         """One step's outputs: as they are with one client, else split by each request's client."""
@@ -199,7 +202,7 @@ class EngineCoreProc:
             if self.engine_core.has_unfinished_requests():
                 t1 = time.perf_counter()
                 outputs = self.engine_core.step()
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.thread_time()
                 self.send_outputs(outputs)
                 # NOTE: not kept through the next step: its masks may be views of a lending staging slot
                 # (vllm/v1/worker/async_output.py) that the next step could otherwise take.
@@ -207,7 +210,7 @@ class EngineCoreProc:
                 if timer is not None:
                     if not idle:  # an idle core blocked for its first request: not a step's time
                         timer.add("inputs", t1 - t0)
-                    timer.add("send", time.perf_counter() - t2)
+                    timer.add("send", time.perf_counter() - t2, time.thread_time() - c2)
             elif aborted:
                 self.broadcast(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
             # Every few seconds, and when the core goes idle.
