@@ -287,6 +287,8 @@ def test_cuda_output_copier_lends_mask_views_and_keeps_held_outputs_intact() -> 
             rows = [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])]
             assert rows == [w.tolist() for w in want]
             assert [bytes(t) for t in texts.rows()] == [("[" + ",".join(map(str, r)) + "]").encode() for r in rows]
+        # NOTE: every reference to a lent array keeps its slot in use, the test's own too.
+        del lent, lists, texts, out
         held.clear()
         slots = list(copier._lending)
         logits = build_rows([5, 9], vocab_size, seed=99).cuda()
