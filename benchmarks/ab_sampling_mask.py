@@ -182,6 +182,7 @@ def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeou
             "--level-timeout", f"{level_timeout:.1f}", "--seed", str(args.seed)]
     if args.num_client_procs:
         argv += ["--num-client-procs", str(args.num_client_procs)]
+    argv += ["--mask-check", args.mask_check]
     return benchmark_serving.make_parser().parse_args(argv)
 
 
@@ -444,6 +445,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=512)
     parser.add_argument("--logprobs", type=int, default=1)
     parser.add_argument("--num-client-procs", type=int, default=0, help="0: benchmark_serving's default.")
+    parser.add_argument("--mask-check", choices=benchmark_serving.MASK_CHECKS, default="parse",
+                        help="benchmark_serving's --mask-check (the load generator's cost per mask).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=240.0, help="Seconds to wait for a server's /health.")
     parser.add_argument("--level-timeout", type=float, default=90.0, help="Most seconds per concurrency level.")
