@@ -182,6 +182,7 @@ def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeou
             "--level-timeout", f"{level_timeout:.1f}", "--seed", str(args.seed)]
     if args.num_client_procs:
         argv += ["--num-client-procs", str(args.num_client_procs)]
+    argv += ["--mask-check", args.mask_check]
     return benchmark_serving.make_parser().parse_args(argv)
 
 
@@ -216,6 +217,7 @@ def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix:
         stop_server(proc)
         log(f"{arm}: server stopped ({time.monotonic() - t0:.0f}s for the arm)")
         result["step_timing"] = parse_step_timing(log_path)
+        result["gc"] = parse_gc_pauses(log_path)
     return result
 
 
@@ -240,6 +242,34 @@ def parse_step_timing(log_path: str) -> list[dict[str, float]]:
     except OSError:
         pass
     return windows
+
+
+_GC_RE = re.compile(r"(API server \d+|Engine core) GC: .*?; paused ([\d.]+)% of ([\d.]+) s, longest ([\d.]+) ms")
+
+
+def parse_gc_pauses(log_path: str) -> list[dict[str, Any]]:
+    """The garbage-collection windows that the API servers and the engine core log with
+    VLLM_ENGINE_STEP_TIMING=1 (vllm/v1/metrics/gc_timing.py): who, % of the window paused, the window's length
+    (s) and its longest pause (ms)."""
+    windows = []
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                m = _GC_RE.search(line)
+                if m is not None:
+                    windows.append({"who": m.group(1), "paused_pct": float(m.group(2)),
+                                    "window_s": float(m.group(3)), "longest_ms": float(m.group(4))})
+    except OSError:
+        pass
+    return windows
+
+
+def _gc_cells(windows: list[dict[str, Any]], engine: bool) -> str:
+    """'max % (longest ms)' of the API servers' or the engine core's GC windows, '-' without any."""
+    mine = [w for w in windows if (w["who"] == "Engine core") == engine]
+    if not mine:
+        return "-"
+    return f"{max(w['paused_pct'] for w in mine):.1f}% ({max(w['longest_ms'] for w in mine):.0f} ms)"
 
 
 def _busiest(arm: dict[str, Any]) -> dict[str, float] | None:
@@ -290,6 +320,7 @@ def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         errors = [a["error"] for a in runs if a["error"]]
         combined.append({"arm": first["arm"], "error": errors[0] if errors else None, "levels": levels,
                          "step_timing": [w for a in runs for w in a.get("step_timing") or []],
+                         "gc": [w for a in runs for w in a.get("gc") or []],
                          "server_logs": [a["server_log"] for a in runs]})
     return combined
 
@@ -354,6 +385,14 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
                                           for k in ("schedule", "launch", "launch.mask", "wait", "update", "send",
                                                     "out.lists"))
                              + f" | {w['host_busy_pct']:.0f}% |")
+    if any(a.get("gc") for a in arms):
+        lines += ["", "Garbage collection (VLLM_ENGINE_STEP_TIMING): the largest share of a log window paused, and "
+                      "the longest single pause, over the arm's windows:", "",
+                  "| arm | API servers | engine core |", "|---|---:|---:|"]
+        for a in arms:
+            windows = a.get("gc") or []
+            if windows:
+                lines.append(f"| {a['arm']} | {_gc_cells(windows, False)} | {_gc_cells(windows, True)} |")
     for a in arms:
         if a["error"]:
             lines.append(f"\n{a['arm']} failed: {a['error']}")
@@ -406,6 +445,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=512)
     parser.add_argument("--logprobs", type=int, default=1)
     parser.add_argument("--num-client-procs", type=int, default=0, help="0: benchmark_serving's default.")
+    parser.add_argument("--mask-check", choices=benchmark_serving.MASK_CHECKS, default="parse",
+                        help="benchmark_serving's --mask-check (the load generator's cost per mask).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=240.0, help="Seconds to wait for a server's /health.")
     parser.add_argument("--level-timeout", type=float, default=90.0, help="Most seconds per concurrency level.")

@@ -15,6 +15,10 @@ Invariants:
   --level-timeout and is cross-checked against usage otherwise.
 - Throughput = output tokens received (including those of requests cut short) / wall time of the level.
 - All timestamps are `time.time()` so records from several client processes share one clock.
+- `--mask-check parse` (default) decodes every mask into Python lists, as a generic JSON client does;
+  `--mask-check count` decodes each token's mask as raw JSON (msgspec.Raw: validated, not turned into hundreds
+  of Python ints per token) and counts its ids by its commas, for the same counts at a fraction of the client's
+  CPU (the load generator shares the server's machine).
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ try:
     import msgspec
     _json_loads = msgspec.json.decode
 except ImportError:
+    msgspec = None
     _json_loads = json.loads
+
+MASK_CHECKS = ("parse", "count")
 
 
 @dataclass
@@ -68,6 +75,7 @@ class LevelSpec:
     start_at: float
     deadline: float
     headers: dict[str, str] = field(default_factory=dict)
+    mask_check: str = "parse"
 
 
 def chunk_token_count(choice: dict[str, Any]) -> int:
@@ -82,10 +90,34 @@ def chunk_token_count(choice: dict[str, Any]) -> int:
     return 1 if choice.get("text") else 0
 
 
-def _handle_event(data: bytes | str, rec: RequestRecord) -> bool:
+if msgspec is not None:
+    class _CountedChoice(msgspec.Struct):
+        """A streamed choice for `--mask-check count`: each token's mask kept as its raw JSON."""
+        text: str | None = None
+        token_ids: list[int] | None = None
+        logprobs: Any = None
+        sampling_mask: list[msgspec.Raw] | None = None
+
+    class _CountedChunk(msgspec.Struct):
+        choices: list[_CountedChoice] | None = None
+        usage: Any = None
+        error: Any = None
+
+    _counted_decoder = msgspec.json.Decoder(_CountedChunk)
+
+
+def _raw_list_length(raw: Any) -> int:
+    """Items of a JSON list of numbers written without spaces inside, from its raw text ("[3,17,42]" -> 3)."""
+    text = bytes(raw)
+    return 0 if text.strip() == b"[]" else text.count(b",") + 1
+
+
+def _handle_event(data: bytes | str, rec: RequestRecord, mask_check: str = "parse") -> bool:
     """Account one SSE `data:` payload; True when the stream is over ([DONE] or an error event)."""
     if data in ("[DONE]", b"[DONE]"):
         return True
+    if mask_check == "count" and msgspec is not None:
+        return _handle_counted_event(data, rec)
     obj = _json_loads(data)
     if "error" in obj:
         rec.error = f"stream error: {str(obj['error'])[:300]}"
@@ -105,6 +137,27 @@ def _handle_event(data: bytes | str, rec: RequestRecord) -> bool:
     return False
 
 
+def _handle_counted_event(data: bytes | str, rec: RequestRecord) -> bool:
+    """`_handle_event` with the masks counted from their raw JSON (`--mask-check count`)."""
+    chunk = _counted_decoder.decode(data)
+    if chunk.error is not None:
+        rec.error = f"stream error: {str(chunk.error)[:300]}"
+        return True
+    for choice in chunk.choices or []:
+        if rec.first_token is None:
+            rec.first_token = time.time()
+        masks = choice.sampling_mask
+        rec.chunk_tokens += chunk_token_count({"token_ids": choice.token_ids, "logprobs": choice.logprobs,
+                                               "sampling_mask": masks, "text": choice.text})
+        if masks is not None:
+            rec.has_mask = True
+            rec.masks += len(masks)
+            rec.mask_ids += sum(_raw_list_length(m) for m in masks)
+    if chunk.usage:
+        rec.usage_tokens = int(chunk.usage.get("completion_tokens", 0))
+    return False
+
+
 async def _stream_one(client: Any, spec: LevelSpec, prompt: list[int], rec: RequestRecord) -> None:
     payload = dict(spec.payload)
     payload["prompt"] = prompt
@@ -116,7 +169,7 @@ async def _stream_one(client: Any, spec: LevelSpec, prompt: list[int], rec: Requ
                 return
             async for raw in resp.content:
                 line = raw.strip()
-                if line.startswith(b"data: ") and _handle_event(line[6:], rec):
+                if line.startswith(b"data: ") and _handle_event(line[6:], rec, spec.mask_check):
                     break
     else:
         async with client.stream("POST", spec.url, json=payload, headers=spec.headers) as resp:
@@ -125,7 +178,7 @@ async def _stream_one(client: Any, spec: LevelSpec, prompt: list[int], rec: Requ
                 rec.error = f"HTTP {resp.status_code}: {body[:300]}"
                 return
             async for line in resp.aiter_lines():
-                if line.startswith("data: ") and _handle_event(line[6:], rec):
+                if line.startswith("data: ") and _handle_event(line[6:], rec, spec.mask_check):
                     break
     rec.end = time.time()
 
@@ -242,19 +295,19 @@ def summarize(records: list[RequestRecord], start: float, end: float, concurrenc
 
 
 def run_level(url: str, payload: dict[str, Any], prompts: list[list[int]], concurrency: int, num_procs: int,
-              timeout_s: float, headers: dict[str, str] | None = None
+              timeout_s: float, headers: dict[str, str] | None = None, mask_check: str = "parse"
               ) -> tuple[list[RequestRecord], float, float]:
     """Send `prompts` with `concurrency` in flight over `num_procs` client processes; returns records, start, end."""
     num_procs = max(1, min(num_procs, concurrency, len(prompts)))
     if num_procs == 1:
         start = time.time()
-        spec = LevelSpec(url, payload, prompts, concurrency, start, start + timeout_s, headers or {})
+        spec = LevelSpec(url, payload, prompts, concurrency, start, start + timeout_s, headers or {}, mask_check)
         records = asyncio.run(_run_share(spec))
     else:
         # NOTE: spawned workers import httpx first; start_at gives them a common start once all are ready.
         start = time.time() + 2.0
         specs = [LevelSpec(url, payload, prompts[p::num_procs], len(range(p, concurrency, num_procs)), start,
-                           start + timeout_s, headers or {}) for p in range(num_procs)]
+                           start + timeout_s, headers or {}, mask_check) for p in range(num_procs)]
         with multiprocessing.get_context("spawn").Pool(num_procs) as pool:
             shares = pool.map(_run_share_sync, specs)
         records = [RequestRecord(**d) for share in shares for d in share]
@@ -330,7 +383,8 @@ def run_benchmark(args: argparse.Namespace, log: Any = print) -> list[dict[str, 
             warm = rng.integers(0, vocab, (num_warm, args.input_len)).tolist()
             t0 = time.time()
             records, _, _ = run_level(url, build_payload(args, model, args.warmup_output_len), warm,
-                                      min(concurrency, num_warm), num_procs, level_timeout or 1e9, headers)
+                                      min(concurrency, num_warm), num_procs, level_timeout or 1e9, headers,
+                                      args.mask_check)
             bad = [r.error for r in records if r.error is not None]
             log(f"warmup c={concurrency}: {num_warm} requests in {time.time() - t0:.1f}s"
                 + (f", {len(bad)} failed: {bad[0]}" if bad else ""))
@@ -338,7 +392,7 @@ def run_benchmark(args: argparse.Namespace, log: Any = print) -> list[dict[str, 
                 level_timeout = max(1.0, level_timeout - (time.time() - t0))
         prompts = rng.integers(0, vocab, (num_prompts, args.input_len)).tolist()
         records, start, end = run_level(url, build_payload(args, model, args.output_len), prompts,
-                                        concurrency, num_procs, level_timeout or 1e9, headers)
+                                        concurrency, num_procs, level_timeout or 1e9, headers, args.mask_check)
         summary = summarize(records, start, end, concurrency, args.input_len)
         truncated = summary["truncated"]
         summary["client_procs"] = num_procs
@@ -385,6 +439,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-warmups", type=int, default=-1,
                         help="Warmup requests before each level (-1: as many as the concurrency; 0: none).")
     parser.add_argument("--warmup-output-len", type=int, default=8)
+    parser.add_argument("--mask-check", choices=MASK_CHECKS, default="parse",
+                        help="How the client checks the masks: parse them into lists (default) or count them from "
+                             "their raw JSON (same counts, far less client CPU; see the module docstring).")
     parser.add_argument("--num-client-procs", type=int, default=0,
                         help="Client processes per level (0: one per 128 in flight, at most a quarter of the CPUs).")
     parser.add_argument("--level-timeout", type=float, default=None,

@@ -12,7 +12,10 @@ after every request has finished its prefill, `--steps` decode steps are traced.
 
 Only CUDA activity is traced (no CPU op events), so the host is not slowed down by the profiler.
 
-    PYTHONPATH=. python3 tools/gpu_kernel_profile.py --rows 512 1024 --steps 30 [--out DIR]
+    PYTHONPATH=. python3 tools/gpu_kernel_profile.py --rows 512 1024 --steps 30 [--mask-text] [--out DIR]
+
+`--mask-text`: the mask arm also formats each mask's JSON text on the device, as under `vllm serve` (its pack and
+JSON kernels in the sampler graph, the text copied to the host).
 """
 
 from __future__ import annotations
@@ -99,6 +102,20 @@ def run_arm(model: str, mask: bool, rows_list: list[int], input_len: int, steps:
     return results
 
 
+def _serve_mask_text() -> None:
+    """Engines made from now on format their masks' JSON text on the device, as the API server asks for
+    (ModelConfig.sampling_mask_text, which `vllm serve` sets and LLM does not)."""
+    from vllm.engine.arg_utils import EngineArgs
+    create = EngineArgs.create_engine_config
+
+    def create_with_text(self: EngineArgs):  # noqa: ANN202
+        config = create(self)
+        config.model_config.sampling_mask_text = config.model_config.return_sampling_mask
+        return config
+
+    EngineArgs.create_engine_config = create_with_text  # type: ignore[method-assign]
+
+
 def summarize(trace_path: str, steps: int, wall: float) -> dict:
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
@@ -178,7 +195,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None, help="write the summary JSON into this folder")
+    parser.add_argument("--mask-text", action="store_true", help="the mask arm with its JSON text, as when serving")
     args = parser.parse_args()
+    if args.mask_text:
+        _serve_mask_text()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     off = run_arm(args.model, False, args.rows, args.input_len, args.steps)

@@ -3,7 +3,8 @@
 # offline throughput, serving A/B. Results land in $OUT (the device tool's output folder) or ./out; with
 # PACK=1 they are packed into $OUT/all.tgz instead (the device tool returns only a few files, and no deep folders).
 #   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
-# Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
+# Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians). Stage options: TEST_PATHS (tests),
+# MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) while the stages run.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -46,6 +47,10 @@ for s in $stages; do
     topk) [ -f benchmarks/kernels/benchmark_topk_select.py ] && python3 benchmarks/kernels/benchmark_topk_select.py \
         --out "$OUT/topk_bench.json" 2>&1 | tee "$OUT/topk_bench.txt" ;;
     ab) VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
+    acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (ABC CBA), medians (~8 min)
+      VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/acceptance" \
+        --arms no-mask mask pre-change --rounds 2 --level-timeout 20 --num-prompts-per-concurrency 4 --budget-s 480 \
+        2>&1 | grep --line-buffered -v Warning | tee "$OUT/acceptance.txt" ;;
   esac
 done
 [ -n "${sampler:-}" ] && kill "$sampler"

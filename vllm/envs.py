@@ -54,6 +54,9 @@ _VARS = {
     # Performance work only: the engine-core process's GIL switch interval in ms (sys.setswitchinterval; unset:
     # Python's 5 ms). Its main thread shares the GIL with the output thread (docs/benchmarks.md).
     "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": lambda: _float("VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS"),
+    # Performance work only: the engine-core process sends its output frames copied (1) instead of zero-copy (the
+    # default, whose large frames pyzmq releases from a thread of its own that takes the GIL; docs/benchmarks.md).
+    "VLLM_ENGINE_SEND_COPY": lambda: _bool("VLLM_ENGINE_SEND_COPY", False),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
 }

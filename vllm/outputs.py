@@ -50,6 +50,8 @@ class SamplingMask:
         """`token_ids` as JSON (a list of lists, no spaces) from the engine's text, or None without it."""
         if self._texts is None:
             return None
+        if len(self._texts) == 1:  # a streamed token's: one copy of its text, not two
+            return b"".join((b"[", self._texts[0], b"]"))
         return b"".join((b"[", b",".join(self._texts), b"]"))
 
     def _id_arrays(self) -> list[np.ndarray] | None:

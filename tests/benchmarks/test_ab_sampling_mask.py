@@ -80,3 +80,24 @@ def test_rounds_are_combined_into_medians_with_each_rounds_ratios() -> None:
     # Steady-state medians (throughput + 10 here): no mask 120 and mask 100 at c=4.
     assert "Steady state" in table and "| 4 | 120 | 100 | 0.833 |" in table
     assert ab.combine_rounds(rounds[:1]) is rounds[0]
+
+
+def test_gc_pause_windows_are_parsed_and_tabled(tmp_path) -> None:  # noqa: ANN001
+    """The API servers' and the engine core's GC lines (two H200 lines and one of the engine core's format) are read
+    and tabled per arm as the largest paused share and the longest pause; without them there is no table."""
+    path = tmp_path / "server_mask.log"
+    path.write_text(
+        "INFO 2026-12-03 14:49:45,658 vllm.entrypoints.openai.api_server: API server 6682 GC: gen0 1375 (205.9 ms) "
+        "gen1 125 (172.8 ms) gen2 11 (693.0 ms); paused 21.4% of 5.0 s, longest 97.4 ms\n"
+        "INFO 2026-12-03 14:49:45,720 vllm.entrypoints.openai.api_server: API server 6680 GC: gen0 1413 (202.1 ms) "
+        "gen1 128 (201.2 ms) gen2 12 (959.0 ms); paused 27.2% of 5.0 s, longest 121.4 ms\n"
+        "INFO 2026-12-03 14:49:46,000 vllm.v1.engine.core_proc: Engine core GC: gen0 90 (9.0 ms) gen1 8 (4.1 ms) "
+        "gen2 1 (12.5 ms); paused 0.5% of 5.0 s, longest 12.5 ms\n")
+    windows = ab.parse_gc_pauses(str(path))
+    assert [w["who"] for w in windows] == ["API server 6682", "API server 6680", "Engine core"]
+    assert windows[1] == {"who": "API server 6680", "paused_pct": 27.2, "window_s": 5.0, "longest_ms": 121.4}
+    assert ab.parse_gc_pauses(str(tmp_path / "missing.log")) == []
+    arm = {"arm": "mask", "error": None, "levels": [], "gc": windows}
+    assert "| mask | 27.2% (121 ms) | 0.5% (12 ms) |" in ab.markdown([arm], [64])
+    assert "| mask | 27.2% (121 ms) | - |" in ab.markdown([{**arm, "gc": windows[:2]}], [64])
+    assert "Garbage collection" not in ab.markdown([{**arm, "gc": []}], [64])

@@ -28,6 +28,24 @@ def test_chunk_token_count_prefers_explicit_fields() -> None:
     assert bs.chunk_token_count({"text": ""}) == 0
 
 
+@pytest.mark.parametrize("payload", [
+    b'{"choices":[{"index":0,"text":"","token_ids":[5,9],"logprobs":null,"sampling_mask":[[1,2,30],[7]]}],'
+    b'"usage":null}',
+    b'{"choices":[{"index":0,"text":"ab","logprobs":{"tokens":["a"]},"sampling_mask":[[]]}],"usage":null}',
+    b'{"choices":[],"usage":{"completion_tokens":4,"prompt_tokens":2}}',
+    b'{"choices":[{"index":0,"text":"x","sampling_mask":null}],"usage":null}',
+    b'{"error":{"message":"bad","code":400}}',
+])
+def test_mask_check_count_accounts_events_as_parse_does(payload: bytes) -> None:
+    """--mask-check count (raw masks, ids counted by commas) records what the full parse records."""
+    parsed, counted = bs.RequestRecord(), bs.RequestRecord()
+    assert bs._handle_event(payload, parsed, "parse") == bs._handle_event(payload, counted, "count")
+    for rec in (parsed, counted):
+        rec.first_token = rec.first_token is not None  # timestamps differ by the call's time
+    assert counted == parsed
+    assert bs._handle_event(b"[DONE]", counted, "count")
+
+
 def test_summarize_hand_worked_level() -> None:
     # Two finished requests of 5 tokens and one cut short after 2 tokens, over a 10 s level.
     a = bs.RequestRecord(start=100.0, first_token=100.5, end=102.5, chunk_tokens=5, usage_tokens=5, masks=5,
@@ -96,11 +114,12 @@ def server_url() -> Iterator[str]:
             proc.wait()
 
 
-def test_load_against_server_counts_tokens_and_masks(server_url: str) -> None:
+@pytest.mark.parametrize("mask_check", bs.MASK_CHECKS)
+def test_load_against_server_counts_tokens_and_masks(server_url: str, mask_check: str) -> None:
     args = bs.make_parser().parse_args(
         ["--base-url", server_url, "--concurrency", "2", "--num-prompts", "3", "--input-len", "6", "--output-len",
          "4", "--temperature", "1", "--top-p", "0.9", "--top-k", "7", "--logprobs", "1", "--num-warmups", "1",
-         "--warmup-output-len", "2", "--num-client-procs", "1"])
+         "--warmup-output-len", "2", "--num-client-procs", "1", "--mask-check", mask_check])
     bs.validate(args)
     (r,) = bs.run_benchmark(args, log=lambda _: None)
     assert r["concurrency"] == 2 and r["num_prompts"] == 3

@@ -41,6 +41,16 @@ def test_step_timer_reports_ms_per_step_and_resets() -> None:
     assert "8 rows/step" in line and "schedule 2.00" in line and "wait 10.00" in line and "out.lists 1.00" in line
     assert "update 0.00" in line
     assert timer.steps == 0 and not timer.totals
+    assert line.endswith("%")  # no counted events: nothing after the host-busy share
+    timer.count("mask.copied")
+    timer.count("mask.copied")
+    timer.count_step(8)
+    assert timer.report().endswith(", mask.copied 2") and not timer.events
+    timer.add("schedule", 0.004, 0.003)  # wall 4 ms, of it 3 ms on the CPU
+    timer.add("send", 0.002, 0.002)
+    timer.count_step(8)
+    line = timer.report()
+    assert "schedule 4.00" in line and line.endswith("; cpu schedule 3.00 send 2.00") and not timer.cpu
 
 
 def test_step_timer_parts_of_launch_are_reported_but_not_counted_twice() -> None:

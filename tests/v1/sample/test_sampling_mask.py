@@ -159,7 +159,7 @@ def test_packed_ids_give_the_same_csr_as_the_compact_buffer(overflow: bool) -> N
     mask = SamplingMaskTensors.from_logits(logits, num_sampled, 64)  # K = 64: the 200-id row overflows
     num_kept = mask.token_ids.shape[1]
     packed = pack_rows(mask.token_ids, torch.where(mask.counts > num_kept, 0, mask.counts))
-    got = _tolists(mask, None, packed)
+    got = _tolists(mask, None, packed.numpy())
     want = reference_supports(logits, num_sampled.numpy())
     assert [x.tolist() for x in np.split(got.token_ids, got.offsets[1:-1])] == [w.tolist() for w in want]
     assert got.token_ids.dtype == np.int32
@@ -205,3 +205,97 @@ def test_host_staging_slot_reuses_and_grows_its_buffers() -> None:
     grown = slot.copy(big, "x")
     assert torch.equal(grown, big)
     assert torch.equal(slot.copy(f, "y"), f)  # "y" untouched by "x" growing
+
+
+def test_lending_slot_is_in_use_while_a_view_lives() -> None:
+    """A lending HostStagingSlot (unpinned, on CPU): the numpy views `array` hands out, and every array or
+    memoryview derived from them, keep the slot in use; a plain numpy of the copy's tensor does not count; a
+    pending step does; a view of a buffer that grew keeps its values (the slot writes only the new buffer)."""
+    from vllm.v1.sample.sampling_mask import HostStagingSlot
+    slot = HostStagingSlot(pin=False, lends=True)
+    host = slot.copy(torch.arange(10, dtype=torch.int32), "ids")
+    slot.copy(torch.zeros(3, dtype=torch.uint8), "text")
+    assert not slot.in_use()
+    view = slot.array("ids", host)
+    assert view.dtype == np.int32 and view.tolist() == list(range(10)) and slot.in_use()
+    part = view[2:5].view(np.uint8)
+    del view
+    assert slot.in_use()
+    frame = memoryview(np.ascontiguousarray(part)).cast("B")  # what a zero-copy ZMQ frame holds
+    del part
+    assert slot.in_use()
+    del frame
+    assert not slot.in_use()
+    plain = host.numpy()
+    assert not slot.in_use() and plain.tolist() == list(range(10))
+    slot.pending = True
+    assert slot.in_use()
+    slot.pending = False
+    old = slot.array("ids", host)
+    slot.copy(torch.arange(100_000, dtype=torch.int32), "ids")  # grows: a new buffer
+    assert not slot.in_use() and old.tolist() == list(range(10))
+
+
+def test_output_copier_takes_a_lending_slot_only_when_free() -> None:
+    """AsyncOutputCopier's lending slots (the selection alone, on CPU): a pending slot or one with a live view
+    is skipped, a free one is taken again before a new one is made, and none is given past the cap."""
+    from vllm.v1.worker import async_output
+    copier = async_output.AsyncOutputCopier(torch.device("cpu"), use_thread=False)
+    a = copier._lending_slot()
+    a.pending = True
+    b = copier._lending_slot()
+    assert b is not a and copier._lending_slot() is b
+    a.pending = False
+    assert copier._lending_slot() is a
+    held = a.array("ids", a.copy(torch.ones(4, dtype=torch.int32), "ids"))
+    assert copier._lending_slot() is b
+    kept = [held]
+    for _ in range(async_output._MAX_LENDING_SLOTS - 1):
+        slot = copier._lending_slot()
+        kept.append(slot.array("ids", slot.copy(torch.ones(4, dtype=torch.int32), "ids")))
+    assert len(copier._lending) == async_output._MAX_LENDING_SLOTS and copier._lending_slot() is None
+    del held, kept[0]
+    assert copier._lending_slot() is a
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_output_copier_lends_mask_views_and_keeps_held_outputs_intact() -> None:
+    """Steps through AsyncOutputCopier on CUDA, every output held: the first steps' masks are views of lending
+    slots, the steps past the cap copy out of the alternating slots; at the end every held output still has its
+    own step's ids and texts. Once they are dropped, the slots are taken again (no new one)."""
+    from vllm.v1.worker import async_output
+    vocab_size = 151552
+    copier = async_output.AsyncOutputCopier(torch.device("cuda"), use_thread=True, mask_text=True)
+    held, wants = [], []
+    num_steps = async_output._MAX_LENDING_SLOTS + 3
+    try:
+        for step in range(num_steps):
+            sizes = [1 + (7 * step + 31 * r) % 600 for r in range(5 + step)]
+            logits = build_rows(sizes, vocab_size, seed=40 + step).cuda()
+            num_sampled = torch.ones(len(sizes), dtype=torch.int32, device="cuda")
+            mask = SamplingMaskTensors.from_logits(logits, num_sampled, 640)
+            sampled = torch.zeros(len(sizes), dtype=torch.int64, device="cuda")
+            future = copier.submit([f"r{i}" for i in range(len(sizes))], np.ones(len(sizes), dtype=bool), sampled,
+                                   None, mask, lambda _sampled: None)
+            held.append(future.get_output())
+            wants.append(reference_supports(logits.cpu(), num_sampled.cpu().numpy()))
+        lent = [out.sampling_masks.token_ids.base for out in held]
+        assert sum(a is not None and any(a is s._arrays.get("ids") for s in copier._lending) for a in lent) \
+            == async_output._MAX_LENDING_SLOTS
+        for out, want in zip(held, wants):
+            lists, texts = out.sampling_masks, out.sampling_mask_text
+            rows = [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])]
+            assert rows == [w.tolist() for w in want]
+            assert [bytes(t) for t in texts.rows()] == [("[" + ",".join(map(str, r)) + "]").encode() for r in rows]
+        # NOTE: every reference to a lent array keeps its slot in use, the test's own too.
+        del lent, lists, texts, out
+        held.clear()
+        slots = list(copier._lending)
+        logits = build_rows([5, 9], vocab_size, seed=99).cuda()
+        mask = SamplingMaskTensors.from_logits(logits, torch.ones(2, dtype=torch.int32, device="cuda"), 640)
+        out = copier.submit(["a", "b"], np.ones(2, dtype=bool), torch.zeros(2, dtype=torch.int64, device="cuda"),
+                            None, mask, lambda _sampled: None).get_output()
+        assert copier._lending == slots
+        assert any(out.sampling_masks.token_ids.base is s._arrays["ids"] for s in slots)
+    finally:
+        copier.shutdown()

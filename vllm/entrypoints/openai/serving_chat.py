@@ -16,7 +16,7 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComplet
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
                                               random_uuid)
-from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, with_mask_texts
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, mask_texts, sse, with_mask_texts
 from vllm.outputs import RequestOutput
 
 
@@ -78,8 +78,7 @@ class OpenAIServingChat(OpenAIServing):
             final = out
         assert final is not None
         outputs = sorted(final.outputs, key=lambda c: c.index)
-        # The masks as the engine's JSON text where it sent them (spliced in by with_mask_texts), else as lists.
-        texts = [c.sampling_mask.json_text() if c.sampling_mask is not None else None for c in outputs]
+        texts = mask_texts(outputs)
         choices = [ChatCompletionResponseChoice(
             index=c.index, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,

@@ -129,7 +129,7 @@ class OpenAIServingCompletion(OpenAIServing):
         async for i, out in merge_streams(gens):
             finals[i] = out
         choices = []
-        texts: list[bytes | None] = []
+        texts: list[msgspec.Raw | None] = []
         usage = UsageInfo()
         for i in range(len(gens)):
             out = finals[i]
@@ -138,7 +138,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = self._choice(request, i * request.n + c.index, out, c, len(echo), echo, raw_mask=True)
                 mask = choice["sampling_mask"]
                 # NOTE: a mask as the engine's JSON text skips pydantic (with_mask_texts puts it back in the body).
-                texts.append(bytes(mask) if isinstance(mask, msgspec.Raw) else None)
+                texts.append(mask if isinstance(mask, msgspec.Raw) else None)
                 if texts[-1] is not None:
                     choice["sampling_mask"] = None
                 choices.append(choice)

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Sequence
 import msgspec
 from pydantic import BaseModel
 
-from vllm.outputs import Logprob
+from vllm.outputs import CompletionOutput, Logprob
 from vllm.transformers_utils.tokenizer import Tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineDeadError
@@ -46,7 +46,13 @@ def sse(obj: BaseModel | dict) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def with_mask_texts(response: BaseModel, texts: Sequence[bytes | None]) -> BaseModel | dict:
+def mask_texts(outputs: Sequence[CompletionOutput]) -> list[bytes | None]:
+    """Each output's masks as the engine's JSON text, for with_mask_texts (None: no masks, or no text: the masks
+    then go in as lists)."""
+    return [c.sampling_mask.json_text() if c.sampling_mask is not None else None for c in outputs]
+
+
+def with_mask_texts(response: BaseModel, texts: Sequence[bytes | msgspec.Raw | None]) -> BaseModel | dict:
     """A whole (non-streamed) response whose choice i's `sampling_mask` is texts[i] where given: the engine's
     JSON text of the choice's masks (SamplingMask.json_text), spliced in as is (msgspec.Raw) instead of hundreds
     of Python ints per token through pydantic. The response without any text is returned as it is; with texts,
@@ -56,7 +62,7 @@ def with_mask_texts(response: BaseModel, texts: Sequence[bytes | None]) -> BaseM
     body = response.model_dump()
     for choice, text in zip(body["choices"], texts):
         if text is not None:
-            choice["sampling_mask"] = msgspec.Raw(text)
+            choice["sampling_mask"] = text if isinstance(text, msgspec.Raw) else msgspec.Raw(text)
     return body
 
 

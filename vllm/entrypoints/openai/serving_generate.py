@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 
 from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
                                               GenerateStreamResponse, UsageInfo)
-from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, with_mask_texts
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, mask_texts, sse, with_mask_texts
 from vllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -45,8 +45,7 @@ class OpenAIServingGenerate(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(request.token_ids), completion_tokens=num_out,
                           total_tokens=len(request.token_ids) + num_out)
         outputs = sorted(final.outputs, key=lambda c: c.index)
-        # The masks as the engine's JSON text where it sent them (spliced in by with_mask_texts), else as lists.
-        texts = [c.sampling_mask.json_text() if c.sampling_mask is not None else None for c in outputs]
+        texts = mask_texts(outputs)
         choices = [self._choice(c, num_logprobs, with_mask=text is None) for c, text in zip(outputs, texts)]
         return with_mask_texts(GenerateResponse(request_id=request.request_id, choices=choices, usage=usage), texts)
 

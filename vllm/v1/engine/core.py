@@ -85,14 +85,14 @@ class EngineCore:
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         queue, timer = self.batch_queue, self.step_timer
         while len(queue) < _BATCH_QUEUE_SIZE and self.scheduler.has_requests():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             scheduler_output = self.scheduler.schedule()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             has_tokens = scheduler_output.total_num_scheduled_tokens > 0
             if has_tokens or scheduler_output.finished_req_ids:
                 queue.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
-            timer.add("schedule", t1 - t0)
-            timer.add("launch", time.perf_counter() - t1)
+            timer.add("schedule", t1 - t0, c1 - c0)
+            timer.add("launch", time.perf_counter() - t1, time.thread_time() - c1)
             if not has_tokens:
                 break
         if not queue:
@@ -100,9 +100,9 @@ class EngineCore:
         scheduler_output, future = queue.popleft()
         t0 = time.perf_counter()
         model_output = future.get_output()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         timer.add("wait", t1 - t0)
-        timer.add("update", time.perf_counter() - t1)
+        timer.add("update", time.perf_counter() - t1, time.thread_time() - c1)
         timer.count_step(len(scheduler_output.num_scheduled_tokens))
         return outputs

@@ -77,14 +77,17 @@ class EngineCoreProc:
         self.request_decoder = MsgpackDecoder(EngineCoreRequest)
         self.generic_decoder = MsgpackDecoder()
         self.should_stop = False
+        # VLLM_ENGINE_SEND_COPY: every output frame copied by pyzmq (an experiment; zero-copy by default).
+        self.send_copy = envs.VLLM_ENGINE_SEND_COPY
 
     def send(self, kind: bytes, payload: Any, client: int = 0) -> None:
-        self.output_sockets[client].send_multipart((kind, *self.encoder.encode_frames(payload)), copy=False)
+        self.output_sockets[client].send_multipart((kind, *self.encoder.encode_frames(payload)),
+                                                   copy=self.send_copy)
 
     def broadcast(self, kind: bytes, payload: Any) -> None:
         frames = (kind, *self.encoder.encode_frames(payload))
         for socket in self.output_sockets:
-            socket.send_multipart(frames, copy=False)
+            socket.send_multipart(frames, copy=self.send_copy)
 
     def send_outputs(self, outputs: EngineCoreOutputs) -> None:
         """One step's outputs: as they are with one client, else split by each request's client."""
@@ -178,16 +181,16 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         timer = getattr(self.engine_core, "step_timer", None)
         log_every = _STEP_TIMING_LOG_S if timer is not None and envs.VLLM_ENGINE_STEP_TIMING else None
-        last_log = time.monotonic()
         # With the step timing, the core's garbage-collection pauses too (one line per window).
         gc_timer = GcTimer().install() if log_every is not None else None
         try:
-            self._busy_loop(timer, log_every, last_log, gc_timer)
+            self._busy_loop(timer, log_every, gc_timer)
         finally:
             if gc_timer is not None:
                 gc_timer.uninstall()
 
-    def _busy_loop(self, timer: Any, log_every: float | None, last_log: float, gc_timer: GcTimer | None) -> None:
+    def _busy_loop(self, timer: Any, log_every: float | None, gc_timer: GcTimer | None) -> None:
+        last_log = time.monotonic()
         while not self.should_stop:
             idle = not self.engine_core.has_unfinished_requests()
             t0 = time.perf_counter()
@@ -199,12 +202,15 @@ class EngineCoreProc:
             if self.engine_core.has_unfinished_requests():
                 t1 = time.perf_counter()
                 outputs = self.engine_core.step()
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), time.thread_time()
                 self.send_outputs(outputs)
+                # NOTE: not kept through the next step: its masks may be views of a lending staging slot
+                # (vllm/v1/worker/async_output.py) that the next step could otherwise take.
+                del outputs
                 if timer is not None:
                     if not idle:  # an idle core blocked for its first request: not a step's time
                         timer.add("inputs", t1 - t0)
-                    timer.add("send", time.perf_counter() - t2)
+                    timer.add("send", time.perf_counter() - t2, time.thread_time() - c2)
             elif aborted:
                 self.broadcast(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
             # Every few seconds, and when the core goes idle.

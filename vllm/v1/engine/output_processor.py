@@ -205,16 +205,22 @@ class RequestState:
         form it no longer keeps, that one is converted (texts parsed, ids formatted) so the masks stay whole."""
         if num_new == 0:
             return
+        if (new_mask is None and new_text is not None and new_text.offsets is None and num_new == num_kept == 1
+                and self.sampling_masks is None and self.sampling_mask_texts is not None
+                and self.output_kind == RequestOutputKind.DELTA):
+            # NOTE: the common case of an API server's stream (one token, its text only, as every step before),
+            # once per token: what the general path below does for it.
+            self.sampling_mask_texts.append(new_text.text)
+            return
         if new_mask is None and new_text is None:
             if self.has_masks:
                 raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens without "
                                    "their sampling masks after sending masks before.")
             return
-        # NOTE: the rows are views of the step's message (with several API servers, of a span of several
-        # clients' rows): a request that keeps its masks until it finishes copies its own rows, so that it does
-        # not keep every step's message alive; a streamed (DELTA) request hands each step's rows on at once and
-        # holds only the latest step's (holding all of them kept every step's message alive for the request's
-        # life: hundreds of MB per API server at 1024 streams).
+        # NOTE: the rows are views of the step's message: a request that keeps its masks until it finishes copies
+        # its own rows, so that it does not keep every step's message alive; a streamed (DELTA) request holds
+        # views only of the steps whose output its stream has not taken yet (holding all of them kept every
+        # step's message alive for the request's life: hundreds of MB per API server at 1024 streams).
         ids = new_mask.rows() if new_mask is not None else None
         texts = new_text.rows() if new_text is not None else None
         for rows in (ids, texts):
@@ -233,7 +239,6 @@ class RequestState:
             ids = [ids_from_json_text(t) for t in texts]  # type: ignore[union-attr]
         if texts is None and self.sampling_masks is None:
             texts = [np.frombuffer(json_text_of(a), dtype=np.uint8) for a in ids]  # type: ignore[union-attr]
-        # NOTE: DELTA rows stay views: they are held only until their output is handed out.
         if self.output_kind != RequestOutputKind.DELTA:
             ids = [a.copy() for a in ids] if ids is not None else None
             texts = [t.copy() for t in texts] if texts is not None else None

@@ -36,6 +36,7 @@ VLLM_SAMPLING_MASK_LEGACY_PATH, benchmarks compare against it.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -182,13 +183,14 @@ class SamplingMaskTensors(NamedTuple):
         Rows past the first n of a padded graph step must have count 0 (their padding rows do) and, with a group,
         a group after every real row's (MASK_GROUP_PAD): they then add nothing to the packed ids, and only
         trailing "[]" texts past the first n rows' texts."""
-        text = text_lengths = text_group = None
-        if with_text:
-            if group is not None:
-                text_group = group.to(dtype=torch.int32, copy=True)
-            text, text_lengths = json_rows_packed(self.token_ids, self.counts, text_group)
-        return self._replace(packed_ids=pack_rows(self.token_ids, self.counts), text=text, text_lengths=text_lengths,
-                             text_group=text_group)
+        mask = self.with_text_group(group) if with_text and group is not None else self
+        text, text_lengths = mask._json_text() if with_text else (None, None)
+        return mask._replace(packed_ids=pack_rows(self.token_ids, self.counts), text=text, text_lengths=text_lengths)
+
+    def with_text_group(self, group: torch.Tensor) -> SamplingMaskTensors:
+        """This mask with its text's row groups (`prepack`): a copy of `group` made now, on the current stream,
+        since the copy stream reads it later and the caller's buffer is the next step's input."""
+        return self._replace(text_group=group.to(dtype=torch.int32, copy=True))
 
     def narrow(self, n: int) -> SamplingMaskTensors:
         """The first n rows (views); the packed ids and text keep their whole buffers, whose first n rows come
@@ -209,8 +211,9 @@ class SamplingMaskTensors(NamedTuple):
 
         with_text: also format each row's ids as JSON text on the copy stream (ops/mask_json.py) and copy it,
         for the API server (`SamplingMaskCopy.text_lists`).
-        staging: reusable pinned buffers to copy into (the async output copier's, one slot per step in flight)
-        instead of fresh pinned memory each step; the host lists are then copied out of them."""
+        staging: reusable pinned buffers to copy into (the async output copier's) instead of fresh pinned memory
+        each step; the host lists are then views of a lending slot, or copied out of any other
+        (HostStagingSlot)."""
         if with_text and self.packed_ids is not None and self.text is None:
             raise ValueError("This mask was prepacked without its JSON text.")
         if not self.counts.is_cuda:
@@ -241,7 +244,7 @@ class SamplingMaskTensors(NamedTuple):
         if with_text and self.text_group is not None:
             self.text_group.record_stream(stream)
         return SamplingMaskCopy(SamplingMaskTensors(self.token_ids, packed_mask, counts, self.vocab_size), event,
-                                stream, text, text_lengths, packed_ids, staging is not None, text_group)
+                                stream, text, text_lengths, packed_ids, staging, text_group)
 
     def tolists(self) -> SamplingMaskLists:
         """CSR of the step (one row per request, offsets [num_reqs+1] int64); synchronous on device tensors."""
@@ -263,8 +266,9 @@ class SamplingMaskCopy:
     text_lengths: torch.Tensor | None = None
     # [R * K] int32 host: each row's first counts[r] ids back to back, rows with counts[r] > K contributing none.
     packed_ids: torch.Tensor | None = None
-    # The host tensors are views of a HostStagingSlot that a later step reuses: the lists copy out of them.
-    staged: bool = False
+    # The HostStagingSlot the host tensors are views of, if any: the lists are views of a lending slot's arrays
+    # (HostStagingSlot.array), and copies out of any other slot (a later step reuses it).
+    staging: HostStagingSlot | None = None
     # [R] int32: the text's row groups (SamplingMaskTensors.prepack), or None for rows in row order.
     text_group: torch.Tensor | None = None
 
@@ -275,7 +279,18 @@ class SamplingMaskCopy:
     def tolists(self) -> SamplingMaskLists:
         """Wait for the copy and build the CSR; gathers device bitmask rows only for overflow rows."""
         self.wait()
-        return _tolists(self.tensors, self.stream, self.packed_ids, copy_out=self.staged)
+        packed_ids = None if self.packed_ids is None else self._host_array("ids", self.packed_ids)
+        return _tolists(self.tensors, self.stream, packed_ids, copy_out=self._copy_out)
+
+    @property
+    def _copy_out(self) -> bool:
+        return self.staging is not None and not self.staging.lends
+
+    def _host_array(self, name: str, host: torch.Tensor) -> np.ndarray:
+        """A host tensor of this copy as numpy: through a lending slot, a view that keeps the slot in use."""
+        if self.staging is not None and self.staging.lends:
+            return self.staging.array(name, host)
+        return host.numpy()
 
     def text_lists(self, lists: SamplingMaskLists) -> SamplingMaskText | None:
         """The rows of `lists` (this copy's `tolists()`) as JSON text; None without `with_text`. Rows whose
@@ -284,22 +299,23 @@ class SamplingMaskCopy:
             return None
         self.wait()
         lengths = self.text_lengths.numpy().astype(np.int64)  # [R]
-        text = self.text.numpy()
+        text = self._host_array("text", self.text)
         # Row r's text is row rank[r] of the device's packing (the rows of a group together, as json_rows_packed
         # packed them); rows left to the host (-1) took no room there.
         rank = None
         packed_lengths = np.maximum(lengths, 0)
         if self.text_group is not None:
-            order = np.argsort(self.text_group.numpy(), kind="stable")
-            rank = np.empty(len(order), dtype=np.int64)
-            rank[order] = np.arange(len(order))
-            packed_lengths = packed_lengths[order]
+            rank = group_rank(self.text_group.numpy())
+            in_rows = packed_lengths
+            packed_lengths = np.empty_like(in_rows)
+            packed_lengths[rank] = in_rows  # row r's length at its place in the packing
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(packed_lengths, out=offsets[1:])
         if not (lengths < 0).any():
-            # NOTE: without staging, a view of this step's pinned buffer (allocated per step, kept alive by it).
+            # NOTE: a view of this step's own pinned buffer or of a lending slot (both kept alive by it), else a
+            # copy out of the slot.
             data = text[:offsets[-1]]
-            return SamplingMaskText(data.copy() if self.staged else data, offsets, None, rank)
+            return SamplingMaskText(data.copy() if self._copy_out else data, offsets, None, rank)
         # Some rows' supports overflowed K on the device: all rows in row order, those formatted here.
         assert lists.offsets is not None
         starts = (offsets[:-1] if rank is None else offsets[rank]).tolist()
@@ -313,6 +329,15 @@ class SamplingMaskCopy:
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
         np.cumsum([len(p) for p in pieces], out=offsets[1:])
         return SamplingMaskText(np.frombuffer(b"".join(pieces), dtype=np.uint8), offsets)
+
+
+def group_rank(group: np.ndarray) -> np.ndarray:
+    """[R] int64: each row's place in a packing of the rows by group (groups ascending, row order within one),
+    the order json_rows_packed writes with a group."""
+    order = np.argsort(group, kind="stable")
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return rank
 
 
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -332,13 +357,25 @@ class HostStagingSlot:
     needs more; the async output copier's staging for everything a step copies to the host.
 
     NOTE: a fresh pinned tensor per step and per buffer (several MB at 1024 rows) goes through CUDA's caching
-    host allocator on the engine's main thread, and pins new memory whenever no cached block is free yet. The
-    owner (AsyncOutputCopier) keeps one slot per step in flight and reuses a slot only after the step that used
-    it has been turned into lists, which copy out of it (SamplingMaskCopy.staged)."""
+    host allocator on the engine's main thread, and pins new memory whenever no cached block is free yet.
 
-    def __init__(self, pin: bool = True) -> None:
+    Two ways to use a slot (`lends`):
+    - copy-out (the default): the owner (AsyncOutputCopier) keeps one such slot per step in flight and reuses it
+      only after the step that used it has been turned into lists, which copy out of it;
+    - lending: the lists are numpy views of the slot (`array`), handed out with the step's outputs, so nothing
+      is copied on the host; the slot is reused only once no such view is left (`in_use`: every view derives
+      from the slot's own array of its buffer, whose reference count tells). A consumer that keeps its outputs
+      (the offline LLM keeps a request's masks until it finishes) keeps the slot; the owner then takes another.
+    """
+
+    def __init__(self, pin: bool = True, lends: bool = False) -> None:
         self.pin = pin
+        self.lends = lends
         self._buffers: dict[str, torch.Tensor] = {}
+        # One numpy array over each buffer; lent views derive from it (their numpy base).
+        self._arrays: dict[str, np.ndarray] = {}
+        # A step's copies into this slot are in flight or not yet turned into lists (set and cleared by the owner).
+        self.pending = False
 
     def copy(self, src: torch.Tensor, name: str) -> torch.Tensor:
         """Non-blocking copy of `src` into this slot's buffer `name`; returns the host view (src's dtype, shape)."""
@@ -347,9 +384,30 @@ class HostStagingSlot:
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1 << 16) * 5 // 4, dtype=torch.uint8, pin_memory=self.pin)
             self._buffers[name] = buf
+            self._arrays[name] = buf.numpy()
         dst = buf[:nbytes].view(src.dtype).view(src.shape)
         dst.copy_(src, non_blocking=True)
         return dst
+
+    def array(self, name: str, host: torch.Tensor) -> np.ndarray:
+        """`host` (what `copy(..., name)` returned) as a numpy view that counts as a use of this slot (`in_use`);
+        a plain `host.numpy()` would not."""
+        nbytes = host.numel() * host.element_size()
+        return self._arrays[name][:nbytes].view(_NUMPY_DTYPES[host.dtype]).reshape(host.shape)
+
+    def in_use(self) -> bool:
+        """Whether a step's copies are pending here or a view from `array` (or any array derived from one) is
+        still alive."""
+        if self.pending:
+            return True
+        for name in self._arrays:
+            # NOTE: the dict's reference and getrefcount's argument are the two that are always there.
+            if sys.getrefcount(self._arrays[name]) > 2:
+                return True
+        return False
+
+
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8, torch.float32: np.float32}
 
 
 def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
@@ -374,7 +432,7 @@ def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
 
 
 def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None,
-             packed_ids: torch.Tensor | None = None, copy_out: bool = False) -> SamplingMaskLists:
+             packed_ids: np.ndarray | None = None, copy_out: bool = False) -> SamplingMaskLists:
     """The step's CSR. `packed_ids` (host, see SamplingMaskCopy) spares the [num_reqs, K] boolean gather, which
     holds the GIL ~1 ms per 1024-row step on the output thread while the engine's main thread waits for it.
     `copy_out`: packed_ids is a staging buffer that a later step reuses, so the ids must not be a view of it."""
@@ -384,13 +442,14 @@ def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None,
     np.cumsum(counts, out=offsets[1:])
     overflow = counts > num_kept  # [num_reqs] bool
     if packed_ids is not None:
-        compact = packed_ids.numpy()[:int(counts[~overflow].sum())]
+        compact = packed_ids[:int(counts[~overflow].sum())]
     else:
         token_ids = mask.token_ids.cpu().numpy()  # [num_reqs, K]
         compact_cols = np.arange(num_kept)[None, :] < np.where(overflow, 0, counts)[:, None]  # [num_reqs, K]
         compact = token_ids[compact_cols]
     if not overflow.any():
-        # NOTE: without copy_out, a view of this step's pinned buffer (allocated per step, kept alive by the view).
+        # NOTE: without copy_out, a view of this step's pinned buffer (allocated per step, kept alive by the view)
+        # or of a lending staging slot.
         return SamplingMaskLists(compact.astype(np.int32, copy=copy_out), offsets, None)
     out = np.empty(int(offsets[-1]), dtype=np.int32)
     out[np.repeat(~overflow, counts)] = compact

@@ -8,7 +8,12 @@ caller gets an AsyncModelRunnerOutput at once; `get_output()` blocks until the l
 Invariants:
 - Host buffers are pinned and reused (HostStagingSlot, grown on demand), in two slots used alternately: a slot
   is reused two steps later, after the engine has called `get_output()` of the step that used it (the batch
-  queue is two deep), and the lists built from a slot are copies, never views of it.
+  queue is two deep), and the lists built from such a slot are copies, never views of it.
+- The sampling masks (ids and JSON text, MBs per step at 1024 rows) go to a lending slot instead when one is
+  free: their lists are views of it, handed out with the outputs, and the slot is taken again only once no
+  view is left (HostStagingSlot.in_use). In serving the views live until the engine core's ZMQ frames are
+  sent, so a few slots go round; a consumer that keeps its outputs keeps its slots, and when all
+  _MAX_LENDING_SLOTS are kept the masks go to the step's alternating slot and are copied out as above.
 - The device tensors stay referenced until `get_output()` returned, so the allocator cannot reuse their memory
   before the side-stream copies read it.
 - On CPU there are no streams: the lists are built from the tensors themselves, in the thread when asked.
@@ -26,6 +31,9 @@ import torch
 
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
 from vllm.v1.sample.sampling_mask import HostStagingSlot
+
+# Lending staging slots for the sampling masks (module docstring); ~8 MB of pinned memory each at 1024 rows.
+_MAX_LENDING_SLOTS = 6
 
 
 class AsyncModelRunnerOutput:
@@ -62,9 +70,11 @@ class AsyncOutputCopier:
         self.mask_text = mask_text
         on_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if on_cuda else None
-        # Two pinned staging slots (sampled ids, logprobs, sampling masks) and their copies' events, alternating.
+        # Two pinned staging slots (sampled ids, logprobs; sampling masks when no lending slot is free) and their
+        # copies' events, alternating; and the lending slots of the masks (module docstring).
         self._slots = [HostStagingSlot() for _ in range(2)] if on_cuda else []
         self._events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
+        self._lending: list[HostStagingSlot] = []
         self._next_slot = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-output") if use_thread else None
         # The engine core's StepTimer (vllm/v1/metrics/step_timing.py), when it has one.
@@ -89,13 +99,18 @@ class AsyncOutputCopier:
                     host_logprobs = type(logprobs)(*(slot.copy(t, name) for t, name in
                                                      zip(logprobs, ("lp_token_ids", "lp_values", "lp_ranks"))))
                 event.record(self.copy_stream)
-        mask_copy = None
+        mask_copy = lent = None
         if sampling_mask is not None:
             t0 = time.perf_counter()
-            mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=slot)
+            lent = self._lending_slot() if slot is not None else None
+            if lent is not None:
+                lent.pending = True  # until the output thread has built this step's lists
+            mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot)
             if self.timer is not None:
                 self.timer.add("launch.mask", time.perf_counter() - t0)
-        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy)  # what the lists are built from
+                if lent is None and slot is not None:
+                    self.timer.count("mask.copied")
+        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent)  # what the lists are built from
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
             output, sampled_np = _build_output(event, *args, self.timer)
@@ -104,14 +119,35 @@ class AsyncOutputCopier:
         future = self._executor.submit(_build_output, event, *args, self.timer)
         return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
 
+    def _lending_slot(self) -> HostStagingSlot | None:
+        """A lending slot that no step uses and no output views (a new one while there are fewer than
+        _MAX_LENDING_SLOTS), or None."""
+        for slot in self._lending:
+            if not slot.in_use():
+                return slot
+        if len(self._lending) < _MAX_LENDING_SLOTS:
+            self._lending.append(HostStagingSlot(pin=self.copy_stream is not None, lends=True))
+            return self._lending[-1]
+        return None
+
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
 
 def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
-                  logprobs: Any, mask_copy: Any, timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
+                  logprobs: Any, mask_copy: Any, lent: HostStagingSlot | None,
+                  timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
     """The output thread's job (or the caller's without one): wait for the copies, then build the lists."""
+    try:
+        return _build_lists(event, req_ids, samples, sampled, logprobs, mask_copy, timer)
+    finally:
+        if lent is not None:
+            lent.pending = False  # from now on the views of its masks (if any) keep it in use
+
+
+def _build_lists(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
+                 logprobs: Any, mask_copy: Any, timer: Any) -> tuple[ModelRunnerOutput, np.ndarray]:
     t0 = time.perf_counter()
     if event is not None:
         event.synchronize()

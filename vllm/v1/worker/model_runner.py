@@ -276,14 +276,10 @@ class ModelRunner:
     @staticmethod
     def _with_text_group(out: SamplerOutput, meta: SamplingMetadata) -> SamplerOutput:
         """An eager step's mask with its text's row groups (each row's API server), which the copy stream's JSON
-        kernels then pack by group, as `prepack` does in the graphs.
-
-        NOTE: a copy made now, on the compute stream: the copy stream must not read the persistent buffer,
-        which the next step's inputs overwrite."""
+        kernels then pack by group, as `prepack` does in the graphs."""
         mask = out.sampling_mask
         if isinstance(mask, SamplingMaskTensors) and meta.sampling_mask_group is not None:
-            out = replace(out, sampling_mask=mask._replace(
-                text_group=meta.sampling_mask_group.to(dtype=torch.int32, copy=True)))
+            out = replace(out, sampling_mask=mask.with_text_group(meta.sampling_mask_group))
         return out
 
     def _forward_rows(self, inputs: StepInputs) -> torch.Tensor:
@@ -333,6 +329,7 @@ class ModelRunner:
         top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
         num_logprobs = batch.num_logprobs[rows]
         wants_mask = batch.wants_mask[rows] & samples
+        any_mask = bool(wants_mask.any())
         seeded = np.flatnonzero(batch.seeded[rows] & samples)
         generators = {i: batch.generators[inputs.req_ids[i]] for i in seeded.tolist()}
         max_top_k = int(top_k.max())
@@ -352,11 +349,10 @@ class ModelRunner:
             generators=generators,
             max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
             max_top_k=max_top_k,
-            sampling_mask_rows=tensor(buffers.sampling_mask_rows, wants_mask, False)
-            if bool(wants_mask.any()) else None,
+            sampling_mask_rows=tensor(buffers.sampling_mask_rows, wants_mask, False) if any_mask else None,
             # The JSON texts of the masks (API servers) go packed by API server: one span of the step each.
             sampling_mask_group=tensor(buffers.sampling_mask_group, batch.client_index[rows], MASK_GROUP_PAD)
-            if self.output_copier.mask_text and bool(wants_mask.any()) else None)
+            if any_mask and self.output_copier.mask_text else None)
 
 
 def _narrow_output(out: SamplerOutput, n: int) -> SamplerOutput:
