@@ -40,6 +40,11 @@ for s in $stages; do
         --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
         --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
         --json-out "$OUT/throughput.json" 2>&1 | grep -v Warning | tee "$OUT/throughput.txt" ;;
+    throughput_mixed)  # the throughput stage with mixed prefill+decode steps as CUDA graphs (cudagraph.py)
+      VLLM_MIXED_CUDA_GRAPH=1 python3 benchmarks/benchmark_throughput.py --model benchmarks/configs/qwen2.5-1.5b-instruct \
+        --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
+        --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
+        --json-out "$OUT/throughput_mixed.json" 2>&1 | grep -v Warning | tee "$OUT/throughput_mixed.txt" ;;
     serveprof) python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/serveprof" --arms no-mask mask --concurrencies 512 \
         --cprofile-dir "$OUT/serveprof/prof" ${PROF_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/serveprof.txt"
       for f in "$OUT"/serveprof/prof/*/*.txt; do [ -f "$f" ] && cp "$f" "$OUT/prof_$(basename "$(dirname "$f")")_$(basename "$f")"; done

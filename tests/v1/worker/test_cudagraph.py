@@ -270,7 +270,7 @@ def _mixed_runners(backend: str, **kwargs: Any) -> tuple[ModelRunner, ModelRunne
     padded, _ = _runner("cpu", capture_sizes=[2, 4, 8], **kwargs)
     padded.pad_eager_mixed = True
     padded.pad_eager_decode = True
-    padded.mixed_capture_sizes = MIXED_SIZES
+    padded.mixed_graphs = CudaGraphManager(MIXED_SIZES, kind="mixed")
     if backend == "TRITON":
         for runner in (ref, padded):
             runner.attn_backend = TritonAttentionBackend()
@@ -353,7 +353,7 @@ def test_padded_mixed_sampler_matches_unpadded(backend: str) -> None:
 def test_padded_mixed_step_too_large_runs_unpadded() -> None:
     """A mixed step larger than every mixed size runs unpadded (and still matches)."""
     ref, padded, seen = _mixed_runners("TORCH")
-    padded.mixed_capture_sizes = [8]
+    padded.mixed_graphs = CudaGraphManager([8], kind="mixed")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     got, want = _run_mixed_steps(padded, params), _run_mixed_steps(ref, params)
     assert seen == [None, 8, None, None, None, None]

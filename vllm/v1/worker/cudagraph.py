@@ -19,26 +19,40 @@ Invariants:
   after the step was launched, and the engine launches step N+2 only after step N's outputs were turned into
   lists (the batch queue is two deep), so the set that step N+2 reuses is free by then.
 
-Mixed steps (prefills and decodes, total tokens != num_reqs) can be padded to a fixed shape, T tokens of the
-smallest mixed size >= the step's tokens (`resolve_mixed_capture_sizes`) and R = max_num_seqs + 1 request rows
-(input_prep.py: one padding request holds the surplus tokens, the other surplus rows have zero tokens), so that
-their forward could be one graph per T. Only the padded eager forward exists (ModelRunner.pad_eager_mixed, for
-tests); the logits and the sampler of a mixed step stay eager on the real rows' last tokens.
-NOTE (what a GPU session must add to capture mixed steps):
-- Capture: a CudaGraphManager over the mixed sizes whose `prepare(T)` is InputBuffers.fill_dummy_mixed(T, R)
-  and whose `forward(T)` runs the model on input_ids.gpu[:T], positions.gpu[:T] under
-  InputBuffers.mixed_metadata(T, R) (Triton backend only); it must share the decode graphs' pool (capture the
-  largest mixed size first, before the decode sizes, so the pool is sized once by the largest forward), and
-  `_forward_rows` must replay it for inputs.num_padded_tokens. The graph reads input_ids, positions,
-  slot_mapping [:T], query_start_loc [:R+1], seq_lens [:R], block_table [:R] (only the rows of requests with
-  tokens are filled each step) and the KV cache; it writes one static hidden-state output [T, hidden].
-- Memory: the pool then holds a forward of max_num_batched_tokens tokens (about profile_run's peak activations)
-  besides the eager allocator's cache, which still serves mixed steps larger than every size, the logits and
-  the sampler; the KV cache sizing must leave room for both (or the eager path must not keep its own cache).
-- Measurement: the padded tokens cost real FLOPs (up to one size step, 255 tokens at step 256) and the R rows
-  add ~R * num_kv_heads attention programs that exit at once; whether the saved launch overhead beats that must
-  be measured per model (mixed steps of long prefills are GPU-bound and gain little; small chunked-prefill
-  steps among many decodes gain most). Finer sizes below 256 may be worth it.
+Mixed steps (prefills and decodes, total tokens != num_reqs) are padded to a fixed shape, T tokens of the
+smallest mixed size >= the step's tokens (`resolve_mixed_capture_sizes`: multiples of 256 and the token budget)
+and R = max_num_seqs + 1 request rows (input_prep.py: padding requests on the scratch block hold the surplus
+tokens, the other surplus rows have zero tokens), and run as one forward graph per T when VLLM_MIXED_CUDA_GRAPH=1
+and CUDA graphs are on (ModelRunner.use_mixed_cuda_graph; off by default). A step larger than every size runs
+unpadded and eagerly. The logits and the sampler of a mixed step stay eager, on the real rows' last tokens.
+- Capture (ModelRunner.capture_model): the mixed sizes first, largest first, each on
+  InputBuffers.fill_dummy_mixed(T, R) running ModelRunner._mixed_forward(T) (the model on input_ids[:T],
+  positions[:T] under InputBuffers.mixed_metadata(T, R)); then the decode sizes into the same pool, so the pool
+  is sized once, by the largest mixed forward. Each mixed graph copies its hidden states into one output
+  [largest T, hidden] shared by every size. A mixed graph reads input_ids, positions, slot_mapping [:T],
+  query_start_loc [:R+1], seq_lens [:R], block_table [:R] (only the rows of requests with tokens are written
+  each step) and the KV cache.
+- Memory: Worker.determine_num_blocks keeps ModelRunner.profile_mixed_graph_memory() out of the KV cache (the
+  measured activation peak of an eager forward of the largest T, padding only, plus the shared output) besides
+  the eager peak of profile_run, which the eager logits and sampler still need; each mixed size's eager warm-up
+  memory goes back to the device before its capture. Not covered: workspaces a capture allocates beyond what
+  the eager forward measured; warm-ups of sizes above max_model_len when max_model_len < max_num_batched_tokens
+  (profile_run's forward is one request of max_model_len tokens; main's eager multi-request steps share that
+  gap); no reserve is taken when kv_cache_memory_bytes or num_gpu_blocks_override sets the cache size.
+- Graphs in one pool may reuse each other's freed memory: a graph's static output is valid only until another
+  graph of the pool replays, which holds because each step consumes its forward's output before the next step's
+  forward is launched on the same stream.
+NOTE (untested on a GPU; everything above ran on CPU only, the mixed graphs through a stand-in that re-runs the
+captured function at replay, tests/v1/worker/test_mixed_cudagraph.py): that capture works (Triton attention at
+max_query_len = T, one split; the fused layer kernels), that replays give the eager tokens, logprobs and masks,
+the memory reserve against the pool's real size (logged at capture), the capture time (32 sizes at a budget of
+8192 tokens), and whether the saved launch overhead beats the padded tokens' FLOPs (up to 255 tokens per step)
+and R * num_kv_heads idle attention programs (small chunked-prefill steps among many decodes should gain most;
+finer sizes below 256 may pay). The GPU session runs:
+  PACK=1 TEST_PATHS="tests/v1/worker" bash tools/gpu_run.sh info tests   (the CUDA tests, switch set by them)
+  PACK=1 bash tools/gpu_run.sh throughput throughput_mixed   (offline, without and with VLLM_MIXED_CUDA_GRAPH=1)
+  PACK=1 bash tools/gpu_run.sh ab; VLLM_MIXED_CUDA_GRAPH=1 PACK=1 bash tools/gpu_run.sh ab   (serving, step timing)
+and turns the switch on by default only if both measurements gain.
 """
 
 from __future__ import annotations
@@ -91,32 +105,41 @@ def resolve_mixed_capture_sizes(sizes: list[int] | None, max_num_batched_tokens:
 
 
 class CudaGraphManager:
-    def __init__(self, capture_sizes: list[int]) -> None:
+    """Model-forward graphs of one kind of step (pure decode: sizes are rows; mixed: sizes are tokens)."""
+
+    def __init__(self, capture_sizes: list[int], kind: str = "decode") -> None:
         self.capture_sizes = sorted(capture_sizes)
+        self.kind = kind
         # size -> (graph, static output [size, hidden_size])
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: tuple[int, int] | None = None
 
-    def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest capture size >= num_reqs, or None when the batch is larger than every size."""
-        i = bisect.bisect_left(self.capture_sizes, num_reqs)
+    def padded_size(self, n: int) -> int | None:
+        """The smallest capture size >= n, or None when n is larger than every size."""
+        i = bisect.bisect_left(self.capture_sizes, n)
         return self.capture_sizes[i] if i < len(self.capture_sizes) else None
 
-    def capture(self, forward: Callable[[int], torch.Tensor], prepare: Callable[[int], None]) -> None:
-        """`prepare(B)` fills the input buffers with a padding-only batch of B rows; `forward(B)` runs the model
-        on the buffers' first B rows and returns the hidden states."""
-        self.pool = torch.cuda.graph_pool_handle()
+    def capture(self, forward: Callable[[int], torch.Tensor], prepare: Callable[[int], None],
+                pool: tuple[int, int] | None = None, release_warmup_memory: bool = False) -> None:
+        """`prepare(S)` fills the input buffers with a padding-only step of size S; `forward(S)` runs the model
+        on the buffers' first S rows (or tokens) and returns the hidden states. `pool` is another manager's pool
+        to share (None: a new one). `release_warmup_memory` hands the eager allocator's cached blocks back to the
+        device after each size's warm-up, so that the warm-up's activations and the graph pool are never held at
+        once (for forwards as large as a full token budget)."""
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for size in reversed(self.capture_sizes):
             prepare(size)
             for _ in range(_NUM_WARMUP_RUNS):
                 forward(size)
             torch.cuda.synchronize()
+            if release_warmup_memory:
+                torch.cuda.empty_cache()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 output = forward(size)
             self.graphs[size] = (graph, output)
         torch.cuda.synchronize()
-        logger.info("Captured CUDA graphs for decode batch sizes %s", self.capture_sizes)
+        logger.info("Captured CUDA graphs for %s sizes %s", self.kind, self.capture_sizes)
 
     def replay(self, size: int) -> torch.Tensor:
         """Replay the graph of `size` on the current buffers; returns its static output [size, hidden]."""

@@ -5,7 +5,8 @@ host/device buffers (input_prep.py): request i's scheduled tokens are rows query
 of the flat batch. Only rows whose scheduled tokens reach the end of their known tokens sample; a partial prefill
 chunk produces no token, no logprobs and an empty sampling-mask row.
 
-Step shape: prepare inputs (H2D copies) -> forward (a CUDA graph for pure-decode steps, cudagraph.py) -> logits
+Step shape: prepare inputs (H2D copies) -> forward (a CUDA graph for pure-decode steps, and with
+VLLM_MIXED_CUDA_GRAPH=1 for mixed steps padded to a captured token count, cudagraph.py) -> logits
 -> sampler (with the logits and the mask's host-copy packing, a second CUDA graph for those steps) -> outputs
 start their way to the host (async_output.py). `execute_model_async` returns before the outputs are on the host;
 the sampled ids stay on the device and feed the next step's input ids directly, so the next step can be launched
@@ -17,16 +18,16 @@ Invariants:
 - A graphed decode step samples all B padded rows: the padding rows get neutral settings (temperature 1, top_k
   = the batch's max_top_k, no top-p/min-p, no mask) and their outputs are cut off; the sampler's fallback rows
   are chosen real rows first (stable order), so padding can never take a fallback slot from a real row.
-- A mixed step padded to T tokens (pad_eager_mixed; see cudagraph.py for the graphs a GPU session may add)
-  runs its forward over all T tokens and max_num_seqs + 1 request rows; its logits and sampler run eagerly on
-  the real requests' last tokens only, as an unpadded step's do.
+- A mixed step padded to T tokens (a mixed CUDA graph's size, or pad_eager_mixed in tests) runs its forward
+  over all T tokens and max_num_seqs + 1 request rows; its logits and sampler run eagerly on the real requests'
+  last tokens only, as an unpadded step's do.
 - A sampled token is counted in InputBatch.num_tokens when it is sampled; its value reaches token_ids_cpu when
   its step's output is read back (`get_output()`), which the engine does before it schedules two steps later.
 """
 
 from __future__ import annotations
 
-import bisect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -56,6 +57,8 @@ from vllm.v1.worker.cudagraph import (CudaGraphManager, SamplerGraphs, resolve_c
 from vllm.v1.worker.input_batch import InputBatch
 from vllm.v1.worker.input_prep import InputBuffers, StepInputs
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(self, vllm_config: VllmConfig) -> None:
@@ -69,6 +72,7 @@ class ModelRunner:
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.vocab_size = mc.vocab_size
         self.num_layers = mc.num_layers
+        self.hidden_size = int(mc.hf_config.hidden_size)
         self.num_kv_heads = mc.num_kv_heads
         self.head_size = mc.head_size
         self.return_sampling_mask = mc.return_sampling_mask
@@ -90,11 +94,17 @@ class ModelRunner:
                                and self.attn_backend.name == "TRITON")
         # NOTE: tests set this to run decode steps padded exactly as for a CUDA graph, but eagerly (e.g. on CPU).
         self.pad_eager_decode = False
-        # NOTE: tests set this to run mixed steps (prefills among decodes) padded to the smallest of
-        # mixed_capture_sizes that holds their tokens, and to max_num_seqs + 1 rows, eagerly: the shapes a mixed
-        # CUDA graph would have (not captured yet, see cudagraph.py).
+        # Forward graphs of mixed steps (prefills among decodes), padded to the smallest size that holds their
+        # tokens and to max_num_seqs + 1 rows; captured only with VLLM_MIXED_CUDA_GRAPH=1 (use_mixed_cuda_graph).
+        self.mixed_graphs = CudaGraphManager(
+            resolve_mixed_capture_sizes(None, self.max_num_tokens, self.max_model_len), kind="mixed")
+        self._mixed_graphs_requested = envs.VLLM_MIXED_CUDA_GRAPH
+        # [largest mixed size, hidden_size]: the hidden states every mixed graph writes (allocated at capture).
+        self._mixed_hidden: torch.Tensor | None = None
+        # What profile_mixed_graph_memory() kept out of the KV cache for them (logged at capture).
+        self.mixed_graph_bytes = 0
+        # NOTE: tests set this to run mixed steps padded exactly as for a mixed graph, but eagerly (e.g. on CPU).
         self.pad_eager_mixed = False
-        self.mixed_capture_sizes = resolve_mixed_capture_sizes(None, self.max_num_tokens, self.max_model_len)
         # Logits + sampler of graphed decode steps (VLLM_SAMPLER_CUDA_GRAPH=0: eager); tests that wrap the sampler
         # set it to None, or to SamplerGraphs(capture=False) to run the padded sampler eagerly.
         self.sampler_graphs: SamplerGraphs | None = (
@@ -123,19 +133,76 @@ class ModelRunner:
             return None
         return num_splits_for_cudagraph(num_rows, self.max_model_len, self.num_kv_heads)
 
+    @property
+    def use_mixed_cuda_graph(self) -> bool:
+        """Mixed steps are padded and replayed as graphs: CUDA graphs are on (CUDA, not enforce_eager, the Triton
+        backend) and VLLM_MIXED_CUDA_GRAPH=1."""
+        return self.use_cuda_graph and self._mixed_graphs_requested
+
     @torch.inference_mode()
     def capture_model(self) -> None:
-        """Capture the decode CUDA graphs (after the KV cache exists); a no-op when graphs are off."""
-        if not self.use_cuda_graph or not self.cudagraphs.capture_sizes:
+        """Capture the CUDA graphs (after the KV cache exists): the mixed sizes first when use_mixed_cuda_graph,
+        then the decode sizes into the same pool; a no-op when graphs are off."""
+        if not self.use_cuda_graph:
             return
         buffers = self.input_buffers
+        pool = None
+        mixed = self.use_mixed_cuda_graph and bool(self.mixed_graphs.capture_sizes)
+        if mixed:
+            free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+            self._mixed_hidden = torch.empty((self.mixed_graphs.capture_sizes[-1], self.hidden_size),
+                                             dtype=self.dtype, device=self.device)
+            self.mixed_graphs.capture(self._mixed_forward, lambda t: buffers.fill_dummy_mixed(t, buffers.max_num_rows),
+                                      release_warmup_memory=True)
+            pool = self.mixed_graphs.pool
+        if self.cudagraphs.capture_sizes:
+            self.cudagraphs.capture(self._decode_forward, buffers.fill_dummy_decode, pool)
+        if mixed and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            used = free_before - torch.cuda.mem_get_info(self.device)[0]
+            logger.info("CUDA graphs (mixed and decode) hold %.2f GiB; %.2f GiB was kept out of the KV cache for "
+                        "them", used / (1 << 30), self.mixed_graph_bytes / (1 << 30))
 
-        def forward(num_rows: int) -> torch.Tensor:
-            md = buffers.decode_metadata(num_rows, self._graph_num_splits(num_rows), self.max_model_len)
-            with set_forward_context(md, self.kv_caches):
-                return self.model(buffers.input_ids.gpu[:num_rows], buffers.positions.gpu[:num_rows])
+    def _decode_forward(self, num_rows: int) -> torch.Tensor:
+        """What the decode graph of num_rows rows runs: the model on the buffers' first num_rows rows."""
+        buffers = self.input_buffers
+        md = buffers.decode_metadata(num_rows, self._graph_num_splits(num_rows), self.max_model_len)
+        with set_forward_context(md, self.kv_caches):
+            return self.model(buffers.input_ids.gpu[:num_rows], buffers.positions.gpu[:num_rows])
 
-        self.cudagraphs.capture(forward, buffers.fill_dummy_decode)
+    def _mixed_forward(self, num_tokens: int) -> torch.Tensor:
+        """What the mixed graph of num_tokens tokens runs: the model on the buffers' first num_tokens tokens and
+        all max_num_rows rows; returns the first num_tokens rows of the output shared by every mixed size."""
+        buffers = self.input_buffers
+        assert self._mixed_hidden is not None
+        with set_forward_context(buffers.mixed_metadata(num_tokens, buffers.max_num_rows), self.kv_caches):
+            hidden = self.model(buffers.input_ids.gpu[:num_tokens], buffers.positions.gpu[:num_tokens])
+        # NOTE: one output for every size (a copy of ~T * hidden elements per step) instead of one per size, which
+        # would hold the hidden states of every multiple of 256 up to the token budget.
+        return self._mixed_hidden[:num_tokens].copy_(hidden)
+
+    @torch.inference_mode()
+    def profile_mixed_graph_memory(self) -> int:
+        """Bytes the mixed graphs will hold besides the eager peak of profile_run: the activations of a forward of
+        the largest mixed size (the graph pool, which the decode graphs then share) and the shared output; 0 when
+        mixed graphs are off. CUDA only; resets the device's peak-memory stats, so call it after that peak was
+        read."""
+        if not self.use_mixed_cuda_graph or not self.mixed_graphs.capture_sizes:
+            return 0
+        num_tokens = self.mixed_graphs.capture_sizes[-1]
+        buffers = self.input_buffers
+        self.initialize_kv_cache(0)  # the scratch block only: a padding-only step touches nothing else
+        buffers.fill_dummy_mixed(num_tokens, buffers.max_num_rows)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with set_forward_context(buffers.mixed_metadata(num_tokens, buffers.max_num_rows), self.kv_caches):
+            self.model(buffers.input_ids.gpu[:num_tokens], buffers.positions.gpu[:num_tokens])
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_caches = []
+        self.mixed_graph_bytes = activations + num_tokens * self.hidden_size * self.dtype.itemsize
+        return self.mixed_graph_bytes
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -204,8 +271,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == num_reqs and (self.use_cuda_graph or self.pad_eager_decode):
             pad_to = self.cudagraphs.padded_size(num_reqs)
         pad_tokens = None
-        if so.total_num_scheduled_tokens != num_reqs and self.pad_eager_mixed:
-            pad_tokens = self._mixed_padded_size(so.total_num_scheduled_tokens)
+        if so.total_num_scheduled_tokens != num_reqs and (self.pad_eager_mixed or self.use_mixed_cuda_graph):
+            pad_tokens = self.mixed_graphs.padded_size(so.total_num_scheduled_tokens)
         buffers = self.input_buffers
         inputs = buffers.prepare(self.input_batch, so, pad_to,
                                  self._graph_num_splits(pad_to) if pad_to is not None else None, pad_tokens)
@@ -235,11 +302,6 @@ class ModelRunner:
             timer.add("launch.model", t2 - t1)
             timer.add("launch.out", time.perf_counter() - t2)
         return result
-
-    def _mixed_padded_size(self, num_tokens: int) -> int | None:
-        """The smallest mixed size >= num_tokens, or None when the step is larger than every size."""
-        i = bisect.bisect_left(self.mixed_capture_sizes, num_tokens)
-        return self.mixed_capture_sizes[i] if i < len(self.mixed_capture_sizes) else None
 
     def _sampler_graphable(self, meta: SamplingMetadata, rows: int) -> bool:
         """Whether this padded step's logits + sampler can run as a sampler graph: not for seeded rows, the
@@ -284,9 +346,12 @@ class ModelRunner:
 
     def _forward_rows(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of every row of the step's inputs: [num_padded, num_padded_tokens or num_actual_tokens,
-        hidden_size] (a captured graph's static output for a padded decode step of a captured size)."""
+        hidden_size] (a captured graph's static output for a padded step of a captured size)."""
         if inputs.num_padded is not None and self.use_cuda_graph and inputs.num_padded in self.cudagraphs.graphs:
             return self.cudagraphs.replay(inputs.num_padded)
+        num_tokens = inputs.num_padded_tokens
+        if num_tokens is not None and self.use_mixed_cuda_graph and num_tokens in self.mixed_graphs.graphs:
+            return self.mixed_graphs.replay(num_tokens)
         with set_forward_context(inputs.attn_metadata, self.kv_caches):
             return self.model(inputs.input_ids, inputs.positions)
 

@@ -1,7 +1,9 @@
 """Worker: owns the device, the model runner and the KV cache; sizes the cache from the memory budget.
 
 On CUDA the budget is gpu_memory_utilization of the device's memory minus what the weights and a profiled peak
-of activations take; on CPU it is kv_cache_memory_bytes (default VLLM_CPU_KVCACHE_SPACE GiB). Either way the
+of activations take, and with mixed CUDA graphs (VLLM_MIXED_CUDA_GRAPH=1) minus their pool, the profiled
+activations of a forward of the largest mixed size, which the captured graphs keep while eager steps still need
+the profiled peak; on CPU it is kv_cache_memory_bytes (default VLLM_CPU_KVCACHE_SPACE GiB). Either way the
 cache never holds more blocks than max_num_seqs full-length requests need. One more block than reported is
 allocated: the model runner's scratch block for CUDA-graph padding rows.
 """
@@ -45,9 +47,13 @@ class Worker:
             runner.profile_run()
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated(self.device)
+            # NOTE: after `peak` was read, as this profile resets the peak stats; 0 unless VLLM_MIXED_CUDA_GRAPH=1.
+            graph_bytes = runner.profile_mixed_graph_memory()
             _, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * cc.gpu_memory_utilization) - peak
+            budget = int(total * cc.gpu_memory_utilization) - peak - graph_bytes
             torch.cuda.empty_cache()
+            if graph_bytes:
+                logger.info("Mixed CUDA graphs: %.2f GiB kept out of the KV cache", graph_bytes / (1 << 30))
         else:
             budget = int(envs.VLLM_CPU_KVCACHE_SPACE * (1 << 30))
         num_blocks = min(budget // per_block - 1, max_useful)  # NOTE: one block is the runner's scratch block
@@ -66,7 +72,7 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def compile_or_warm_up_model(self) -> None:
-        """Capture the decode CUDA graphs (CUDA without enforce_eager); call after initialize_kv_cache."""
+        """Capture the CUDA graphs (CUDA without enforce_eager); call after initialize_kv_cache."""
         self.model_runner.capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
