@@ -243,7 +243,7 @@ MIXED_STEPS = [{"r0": 5, "r1": 4}, {"r0": 1, "r1": 3, "r2": 3}, {"r2": 1, "r0": 
                {"r7": 1, "r5": 1, "r4": 1, "r3": 1, "r2": 1, "r1": 1, "r0": 1},
                {"r0": 1, "r6": 6, "r1": 1, "r2": 1, "r3": 1, "r4": 1, "r5": 1, "r7": 1}]
 MIXED_SIZES = [12, 16, 32]
-# The size each step is padded to: 9 -> 12, 7 -> 12, 12 -> 12, 24 -> 32, decode (not padded as mixed), 13 -> 16.
+# The size each step is padded to: 9 -> 12, 7 -> 12, 12 -> 12, 18 -> 32, decode (not padded as mixed), 13 -> 16.
 MIXED_PADS = [12, 12, 12, 32, None, 16]
 
 
