@@ -47,9 +47,9 @@ for s in $stages; do
     topk) [ -f benchmarks/kernels/benchmark_topk_select.py ] && python3 benchmarks/kernels/benchmark_topk_select.py \
         --out "$OUT/topk_bench.json" 2>&1 | tee "$OUT/topk_bench.txt" ;;
     ab) VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
-    acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (ABC CBA), medians (~8 min)
+    acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (CAB CBA), medians (~8 min)
       VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/acceptance" \
-        --arms no-mask mask pre-change --rounds 2 --level-timeout 20 --num-prompts-per-concurrency 4 --budget-s 480 \
+        --arms no-mask mask pre-change --rounds 2 --lead-arm pre-change --level-timeout 20 --num-prompts-per-concurrency 4 --budget-s 480 \
         2>&1 | grep --line-buffered -v Warning | tee "$OUT/acceptance.txt" ;;
   esac
 done
