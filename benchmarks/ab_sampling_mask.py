@@ -158,9 +158,12 @@ def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     log(f"{arm}: " + shlex.join([f"{k}={v}" for k, v in env_extra.items()] + ["python3", *cmd[1:]]))
+    cpus = benchmark_serving.parse_cpu_list(args.server_cpus) if args.server_cpus else None
     with open(log_path, "w") as f:
+        # NOTE: the server's processes (API servers, engine core) inherit the affinity set before the exec.
         return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
@@ -186,6 +189,8 @@ def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeou
     if args.num_client_procs:
         argv += ["--num-client-procs", str(args.num_client_procs)]
     argv += ["--mask-check", args.mask_check]
+    if args.client_cpus:
+        argv += ["--cpus", args.client_cpus]
     return benchmark_serving.make_parser().parse_args(argv)
 
 
@@ -448,6 +453,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=512)
     parser.add_argument("--logprobs", type=int, default=1)
     parser.add_argument("--num-client-procs", type=int, default=0, help="0: benchmark_serving's default.")
+    parser.add_argument("--server-cpus", default=None,
+                        help="Run each arm's server (all its processes) on these CPUs only, e.g. 0-7.")
+    parser.add_argument("--client-cpus", default=None,
+                        help="Run the load generator's client processes on these CPUs only, e.g. 8-15.")
     parser.add_argument("--mask-check", choices=benchmark_serving.MASK_CHECKS, default="parse",
                         help="benchmark_serving's --mask-check (the load generator's cost per mask).")
     parser.add_argument("--seed", type=int, default=0)
@@ -477,6 +486,12 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.concurrencies) < 1 or args.num_prompts_per_concurrency <= 0 or args.budget_s <= 0 or args.rounds < 1:
         parser.error("--concurrencies, --num-prompts-per-concurrency, --budget-s and --rounds must be positive.")
+    for name in ("server_cpus", "client_cpus"):
+        if getattr(args, name):
+            try:
+                benchmark_serving.parse_cpu_list(getattr(args, name))
+            except ValueError as e:
+                parser.error(f"--{name.replace('_', '-')}: {e}")
     if args.lead_arm is not None and args.lead_arm not in args.arms:
         parser.error(f"--lead-arm {args.lead_arm!r} is not one of --arms.")
     if len({arm_file_name(a) for a in args.arms}) != len(args.arms):
