@@ -21,6 +21,9 @@ Invariants:
 - With --rounds N every arm runs N times, the arm order reversed every other round (A B, B A, ...: drift of the
   machine falls on both sides); the table shows each level's median over the rounds and the ratios of those
   medians, then every round's own ratios (arms of one round ran minutes apart, rounds further apart).
+  `--lead-arm ARM` runs ARM first in every round and alternates the others after it (C A B, C B A): an arm that
+  leaves the machine slower for the next one (the pre-change arm did, on 2026-12-03) then precedes each of them
+  once, where the plain reversal (A B C, C B A) puts it before B only.
 """
 
 from __future__ import annotations
@@ -155,9 +158,12 @@ def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     log(f"{arm}: " + shlex.join([f"{k}={v}" for k, v in env_extra.items()] + ["python3", *cmd[1:]]))
+    cpus = benchmark_serving.parse_cpu_list(args.server_cpus) if args.server_cpus else None
     with open(log_path, "w") as f:
+        # NOTE: the server's processes (API servers, engine core) inherit the affinity set before the exec.
         return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
@@ -183,6 +189,8 @@ def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeou
     if args.num_client_procs:
         argv += ["--num-client-procs", str(args.num_client_procs)]
     argv += ["--mask-check", args.mask_check]
+    if args.client_cpus:
+        argv += ["--cpus", args.client_cpus]
     return benchmark_serving.make_parser().parse_args(argv)
 
 
@@ -363,7 +371,7 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
                              for n in ratio_arms)
             lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
     if rounds is not None and len(rounds) > 1 and ratio_arms:
-        lines += ["", f"Medians over {len(rounds)} rounds (arm order reversed every other round); each round's own "
+        lines += ["", f"Medians over {len(rounds)} rounds (arm order alternating between rounds); each round's own "
                       "ratios:", ""]
         for c in concurrencies:
             per_round = []
@@ -445,6 +453,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=512)
     parser.add_argument("--logprobs", type=int, default=1)
     parser.add_argument("--num-client-procs", type=int, default=0, help="0: benchmark_serving's default.")
+    parser.add_argument("--server-cpus", default=None,
+                        help="Run each arm's server (all its processes) on these CPUs only, e.g. 0-7.")
+    parser.add_argument("--client-cpus", default=None,
+                        help="Run the load generator's client processes on these CPUs only, e.g. 8-15.")
     parser.add_argument("--mask-check", choices=benchmark_serving.MASK_CHECKS, default="parse",
                         help="benchmark_serving's --mask-check (the load generator's cost per mask).")
     parser.add_argument("--seed", type=int, default=0)
@@ -454,10 +466,19 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1,
                         help="Run every arm this many times, the arm order reversed every other round; the table "
                              "reports medians over the rounds.")
+    parser.add_argument("--lead-arm", default=None,
+                        help="With --rounds: run this arm (one of --arms) first in every round, the others in "
+                             "alternating order after it (module docstring).")
     parser.add_argument("--out-dir", default="out/ab")
     parser.add_argument("--cprofile-dir", default=None,
                         help="Profile each arm's server processes with cProfile into DIR/<arm> (slows them down).")
     return parser
+
+
+def round_order(arms: list[str], r: int, lead: str | None = None) -> list[str]:
+    """The arms of round r (from 0): as given in even rounds, reversed in odd ones; `lead` first in every round."""
+    rest = [a for a in arms if a != lead]
+    return ([lead] if lead is not None else []) + (rest if r % 2 == 0 else rest[::-1])
 
 
 def main() -> None:
@@ -465,6 +486,14 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.concurrencies) < 1 or args.num_prompts_per_concurrency <= 0 or args.budget_s <= 0 or args.rounds < 1:
         parser.error("--concurrencies, --num-prompts-per-concurrency, --budget-s and --rounds must be positive.")
+    for name in ("server_cpus", "client_cpus"):
+        if getattr(args, name):
+            try:
+                benchmark_serving.parse_cpu_list(getattr(args, name))
+            except ValueError as e:
+                parser.error(f"--{name.replace('_', '-')}: {e}")
+    if args.lead_arm is not None and args.lead_arm not in args.arms:
+        parser.error(f"--lead-arm {args.lead_arm!r} is not one of --arms.")
     if len({arm_file_name(a) for a in args.arms}) != len(args.arms):
         parser.error("--arms: two arms would share a log file name (repeated, or differing only in characters "
                      "outside [A-Za-z0-9_.-]).")
@@ -475,7 +504,7 @@ def main() -> None:
     rounds: list[list[dict[str, Any]]] = []
     num_runs = args.rounds * len(args.arms)
     for r in range(args.rounds):
-        order = list(args.arms) if r % 2 == 0 else list(reversed(args.arms))
+        order = round_order(args.arms, r, args.lead_arm)
         results = []
         for arm in order:
             share = (deadline - time.monotonic()) / (num_runs - r * len(args.arms) - len(results))

@@ -51,6 +51,23 @@ except ImportError:
 MASK_CHECKS = ("parse", "count")
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """CPU numbers of a list like taskset's ("0-3,8,10-11")."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r} in {text!r}")
+        cpus.update(range(first, last + 1))
+    if not cpus:
+        raise ValueError(f"no CPU in {text!r}")
+    return cpus
+
+
 @dataclass
 class RequestRecord:
     start: float = 0.0
@@ -76,6 +93,8 @@ class LevelSpec:
     deadline: float
     headers: dict[str, str] = field(default_factory=dict)
     mask_check: str = "parse"
+    # The CPUs the client process runs on (None: any).
+    cpus: list[int] | None = None
 
 
 def chunk_token_count(choice: dict[str, Any]) -> int:
@@ -224,6 +243,8 @@ async def _run_share(spec: LevelSpec) -> list[RequestRecord]:
 
 
 def _run_share_sync(spec: LevelSpec) -> list[dict[str, Any]]:
+    if spec.cpus is not None:  # a client process of its own
+        os.sched_setaffinity(0, spec.cpus)
     try:
         import uvloop
         factory = uvloop.new_event_loop
@@ -295,19 +316,27 @@ def summarize(records: list[RequestRecord], start: float, end: float, concurrenc
 
 
 def run_level(url: str, payload: dict[str, Any], prompts: list[list[int]], concurrency: int, num_procs: int,
-              timeout_s: float, headers: dict[str, str] | None = None, mask_check: str = "parse"
-              ) -> tuple[list[RequestRecord], float, float]:
+              timeout_s: float, headers: dict[str, str] | None = None, mask_check: str = "parse",
+              cpus: list[int] | None = None) -> tuple[list[RequestRecord], float, float]:
     """Send `prompts` with `concurrency` in flight over `num_procs` client processes; returns records, start, end."""
     num_procs = max(1, min(num_procs, concurrency, len(prompts)))
     if num_procs == 1:
         start = time.time()
-        spec = LevelSpec(url, payload, prompts, concurrency, start, start + timeout_s, headers or {}, mask_check)
-        records = asyncio.run(_run_share(spec))
+        spec = LevelSpec(url, payload, prompts, concurrency, start, start + timeout_s, headers or {}, mask_check,
+                         cpus)
+        # NOTE: this process is the client here: pinned for the level only (a server started later inherits it).
+        before = os.sched_getaffinity(0)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        try:
+            records = asyncio.run(_run_share(spec))
+        finally:
+            os.sched_setaffinity(0, before)
     else:
         # NOTE: spawned workers import httpx first; start_at gives them a common start once all are ready.
         start = time.time() + 2.0
         specs = [LevelSpec(url, payload, prompts[p::num_procs], len(range(p, concurrency, num_procs)), start,
-                           start + timeout_s, headers or {}, mask_check) for p in range(num_procs)]
+                           start + timeout_s, headers or {}, mask_check, cpus) for p in range(num_procs)]
         with multiprocessing.get_context("spawn").Pool(num_procs) as pool:
             shares = pool.map(_run_share_sync, specs)
         records = [RequestRecord(**d) for share in shares for d in share]
@@ -372,6 +401,7 @@ def run_benchmark(args: argparse.Namespace, log: Any = print) -> list[dict[str, 
     if vocab is None:
         raise ValueError("Cannot tell the vocabulary size from /v1/models: pass --vocab-size.")
     rng = np.random.default_rng(args.seed)
+    cpus = sorted(parse_cpu_list(args.cpus)) if args.cpus else None
     url = f"{base_url}/v1/completions"
     results: list[dict[str, Any]] = []
     for concurrency in args.concurrency:
@@ -384,7 +414,7 @@ def run_benchmark(args: argparse.Namespace, log: Any = print) -> list[dict[str, 
             t0 = time.time()
             records, _, _ = run_level(url, build_payload(args, model, args.warmup_output_len), warm,
                                       min(concurrency, num_warm), num_procs, level_timeout or 1e9, headers,
-                                      args.mask_check)
+                                      args.mask_check, cpus)
             bad = [r.error for r in records if r.error is not None]
             log(f"warmup c={concurrency}: {num_warm} requests in {time.time() - t0:.1f}s"
                 + (f", {len(bad)} failed: {bad[0]}" if bad else ""))
@@ -392,7 +422,7 @@ def run_benchmark(args: argparse.Namespace, log: Any = print) -> list[dict[str, 
                 level_timeout = max(1.0, level_timeout - (time.time() - t0))
         prompts = rng.integers(0, vocab, (num_prompts, args.input_len)).tolist()
         records, start, end = run_level(url, build_payload(args, model, args.output_len), prompts,
-                                        concurrency, num_procs, level_timeout or 1e9, headers, args.mask_check)
+                                        concurrency, num_procs, level_timeout or 1e9, headers, args.mask_check, cpus)
         summary = summarize(records, start, end, concurrency, args.input_len)
         truncated = summary["truncated"]
         summary["client_procs"] = num_procs
@@ -442,6 +472,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mask-check", choices=MASK_CHECKS, default="parse",
                         help="How the client checks the masks: parse them into lists (default) or count them from "
                              "their raw JSON (same counts, far less client CPU; see the module docstring).")
+    parser.add_argument("--cpus", default=None,
+                        help="Run the client processes on these CPUs only (taskset's list form, e.g. 8-15), away "
+                             "from the server's.")
     parser.add_argument("--num-client-procs", type=int, default=0,
                         help="Client processes per level (0: one per 128 in flight, at most a quarter of the CPUs).")
     parser.add_argument("--level-timeout", type=float, default=None,
@@ -459,6 +492,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--num-prompts must be >= 1.")
     if args.extra_body is not None and not isinstance(json.loads(args.extra_body), dict):
         raise ValueError("--extra-body must be a JSON object.")
+    if args.cpus is not None and not parse_cpu_list(args.cpus) <= os.sched_getaffinity(0):
+        raise ValueError(f"--cpus {args.cpus}: not all of them are CPUs this process may run on.")
 
 
 def main() -> None:

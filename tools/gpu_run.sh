@@ -3,7 +3,8 @@
 # offline throughput, serving A/B. Results land in $OUT (the device tool's output folder) or ./out; with
 # PACK=1 they are packed into $OUT/all.tgz instead (the device tool returns only a few files, and no deep folders).
 #   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
-# Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians). Stage options: TEST_PATHS (tests),
+# Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians); stage `diagnose` the next
+# experiments on the mask arm's engine-core host time. Stage options: TEST_PATHS (tests),
 # MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) while the stages run.
 set -uo pipefail
@@ -52,9 +53,19 @@ for s in $stages; do
     topk) [ -f benchmarks/kernels/benchmark_topk_select.py ] && python3 benchmarks/kernels/benchmark_topk_select.py \
         --out "$OUT/topk_bench.json" 2>&1 | tee "$OUT/topk_bench.txt" ;;
     ab) VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
-    acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (ABC CBA), medians (~8 min)
+    diagnose)  # what slows the engine core's main thread with masks on (docs/benchmarks.md, "What is still open"):
+      # the same no-mask/mask A/B at 512/1024 streams as it is, with the clients counting masks from raw JSON, and
+      # with that plus server and clients on disjoint CPUs; then the device step with the JSON kernels (~8 min)
+      for v in "base:" "count:--mask-check count" "pinned:--mask-check count --server-cpus 0-9 --client-cpus 10-15"; do
+        VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/diagnose_${v%%:*}" \
+          --arms no-mask mask --concurrencies 512 1024 --num-prompts-per-concurrency 3 --level-timeout 20 \
+          --budget-s 110 ${v#*:} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/diagnose_${v%%:*}.txt"
+      done
+      python3 tools/gpu_kernel_profile.py --rows 1024 --steps 30 --mask-text --out "$OUT" 2>&1 \
+        | grep -v -e Warning -e USDT | tee "$OUT/kernel_profile_mask_text.txt" ;;
+    acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (CAB CBA), medians (~8 min)
       VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/acceptance" \
-        --arms no-mask mask pre-change --rounds 2 --level-timeout 20 --num-prompts-per-concurrency 4 --budget-s 480 \
+        --arms no-mask mask pre-change --rounds 2 --lead-arm pre-change --level-timeout 20 --num-prompts-per-concurrency 4 --budget-s 480 \
         2>&1 | grep --line-buffered -v Warning | tee "$OUT/acceptance.txt" ;;
   esac
 done

@@ -62,6 +62,16 @@ def _arm(name: str, throughputs: dict[int, float], error: str | None = None) -> 
     return {"arm": name, "error": error, "levels": levels, "step_timing": [], "server_log": f"{name}.log"}
 
 
+def test_round_order_reverses_and_keeps_a_lead_arm_first() -> None:
+    arms = ["no-mask", "mask", "pre-change"]
+    assert [ab.round_order(arms, r) for r in range(3)] == [arms, arms[::-1], arms]
+    led = [ab.round_order(arms, r, "pre-change") for r in range(2)]
+    assert led == [["pre-change", "no-mask", "mask"], ["pre-change", "mask", "no-mask"]]
+    # Each of the other arms follows the lead arm in one round and the other arm in the other.
+    followers = {tuple(o[i:i + 2]) for o in led for i in range(2)}
+    assert ("pre-change", "no-mask") in followers and ("pre-change", "mask") in followers
+
+
 def test_rounds_are_combined_into_medians_with_each_rounds_ratios() -> None:
     rounds = [[_arm("no-mask", {4: 100.0, 8: 200.0}), _arm("mask", {4: 90.0, 8: 150.0})],
               [_arm("no-mask", {4: 110.0, 8: 180.0}), _arm("mask", {4: 100.0, 8: 190.0})],

@@ -46,6 +46,23 @@ def test_mask_check_count_accounts_events_as_parse_does(payload: bytes) -> None:
     assert bs._handle_event(b"[DONE]", counted, "count")
 
 
+def test_cpu_lists_parse_as_taskset_writes_them() -> None:
+    assert bs.parse_cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    assert bs.parse_cpu_list("5") == {5}
+    for bad in ("", "3-1", "-1", "a"):
+        with pytest.raises(ValueError):
+            bs.parse_cpu_list(bad)
+
+
+def test_pinned_in_process_client_restores_the_affinity() -> None:
+    """A level run in this process with --cpus pins it for the level only (a server started later inherits it)."""
+    before = os.sched_getaffinity(0)
+    records, _, _ = bs.run_level("http://127.0.0.1:9/v1/completions", {}, [[1, 2]], 1, 1, 5.0, None, "parse",
+                                 [min(before)])
+    assert records[0].error is not None  # nothing listens there: the request fails at once
+    assert os.sched_getaffinity(0) == before
+
+
 def test_summarize_hand_worked_level() -> None:
     # Two finished requests of 5 tokens and one cut short after 2 tokens, over a 10 s level.
     a = bs.RequestRecord(start=100.0, first_token=100.5, end=102.5, chunk_tokens=5, usage_tokens=5, masks=5,
