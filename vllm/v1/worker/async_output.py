@@ -105,7 +105,12 @@ class AsyncOutputCopier:
             lent = self._lending_slot() if slot is not None else None
             if lent is not None:
                 lent.pending = True  # until the output thread has built this step's lists
-            mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot)
+            try:
+                mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot)
+            except BaseException:
+                if lent is not None:
+                    lent.pending = False  # nothing was queued into it
+                raise
             if self.timer is not None:
                 self.timer.add("launch.mask", time.perf_counter() - t0)
                 if lent is None and slot is not None:
