@@ -109,7 +109,7 @@ class AsyncOutputCopier:
                 mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot)
             except BaseException:
                 if lent is not None:
-                    lent.pending = False  # nothing was queued into it
+                    lent.pending = False  # any copy it queued runs before the next step's on the copy stream
                 raise
             if self.timer is not None:
                 self.timer.add("launch.mask", time.perf_counter() - t0)
