@@ -54,15 +54,19 @@ for s in $stages; do
         --out "$OUT/topk_bench.json" 2>&1 | tee "$OUT/topk_bench.txt" ;;
     ab) VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
     diagnose)  # what slows the engine core's main thread with masks on (docs/benchmarks.md, "What is still open"):
-      # the same no-mask/mask A/B at 512/1024 streams as it is, with the clients counting masks from raw JSON, and
-      # with that plus server and clients on disjoint CPUs; then the device step with the JSON kernels (~8 min)
-      for v in "base:" "count:--mask-check count" "pinned:--mask-check count --server-cpus 0-9 --client-cpus 10-15"; do
-        VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/diagnose_${v%%:*}" \
-          --arms no-mask mask --concurrencies 512 1024 --num-prompts-per-concurrency 3 --level-timeout 20 \
-          --budget-s 110 ${v#*:} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/diagnose_${v%%:*}.txt"
-      done
-      python3 tools/gpu_kernel_profile.py --rows 1024 --steps 30 --mask-text --out "$OUT" 2>&1 \
-        | grep -v -e Warning -e USDT | tee "$OUT/kernel_profile_mask_text.txt" ;;
+      # the device step with the JSON kernels in the sampler graph; then the no-mask/mask A/B at 512/1024 streams as
+      # it is, with the clients counting masks from raw JSON, with that plus server and clients on disjoint CPUs,
+      # and with that plus blocking-sync events (no spinning output thread) (~9 min)
+      python3 tools/gpu_kernel_profile.py --rows 1024 --steps 20 --mask-text --out "$OUT" 2>&1 \
+        | grep -v -e Warning -e USDT | tee "$OUT/kernel_profile_mask_text.txt"
+      pinned="--mask-check count --server-cpus 0-9 --client-cpus 10-15"
+      for v in "base:0:" "count:0:--mask-check count" "pinned:0:$pinned" "blocking:1:$pinned"; do
+        name=${v%%:*}; rest=${v#*:}; blocking=${rest%%:*}; args=${rest#*:}
+        VLLM_OUTPUT_BLOCKING_SYNC=$blocking VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py \
+          --out-dir "$OUT/diagnose_$name" --arms no-mask mask --concurrencies 512 1024 \
+          --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 100 $args 2>&1 \
+          | grep --line-buffered -v Warning | tee "$OUT/diagnose_$name.txt"
+      done ;;
     acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (CAB CBA), medians (~8 min)
       VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/acceptance" \
         --arms no-mask mask pre-change --rounds 2 --lead-arm pre-change --level-timeout 20 --num-prompts-per-concurrency 4 --budget-s 480 \

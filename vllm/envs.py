@@ -60,6 +60,9 @@ _VARS = {
     # Performance work only: the engine-core process sends its output frames copied (1) instead of zero-copy (the
     # default, whose large frames pyzmq releases from a thread of its own that takes the GIL; docs/benchmarks.md).
     "VLLM_ENGINE_SEND_COPY": lambda: _bool("VLLM_ENGINE_SEND_COPY", False),
+    # Performance work only: the CUDA events the engine's threads wait on sleep instead of spinning
+    # (vllm/v1/cuda_events.py).
+    "VLLM_OUTPUT_BLOCKING_SYNC": lambda: _bool("VLLM_OUTPUT_BLOCKING_SYNC", False),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
 }

@@ -12,8 +12,9 @@ too), of which `launch.mask` is the sampling mask's share; `mask.copied` counts 
 free lending staging slot and were copied out on the host (vllm/v1/worker/async_output.py). For the main thread's
 `schedule`, `launch`, `update` and `send` of the batch-queue loop, the thread's own CPU time (time.thread_time) is
 added too and reported after them ("cpu ..."): wall above CPU is time the thread was not running, i.e. waiting for
-the GIL, blocked in a call that released it (the launch's copies and CUDA calls), or preempted. With the variable set, the engine-core process logs ms
-per step of each every few seconds; the accumulation itself is a few perf_counter calls per step and always on.
+the GIL, blocked in a call that released it (the launch's copies and CUDA calls), or preempted. With the variable
+set, the engine-core process logs ms per step of each every few seconds; the accumulation itself is a few
+perf_counter / thread_time calls per step and always on.
 """
 
 from __future__ import annotations

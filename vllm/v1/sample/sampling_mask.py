@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.v1.cuda_events import host_event
 from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
 from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
 from vllm.v1.sample.ops.mask_json import json_rows_packed, pack_rows
@@ -235,7 +236,7 @@ class SamplingMaskTensors(NamedTuple):
                 text, text_lengths = (copy(t, name) for t, name in zip(self._json_text(), ("text", "lengths")))
                 if self.text_group is not None:
                     text_group = copy(self.text_group, "group")
-            event = torch.cuda.Event()
+            event = host_event()
             event.record(stream)
         # NOTE: the caller may drop the device tensors before the side-stream copies have run.
         self.token_ids.record_stream(stream)
@@ -516,7 +517,7 @@ class LegacySamplingMask(NamedTuple):
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             host = _pinned_copy(self.packed_mask)
-            event = torch.cuda.Event()
+            event = host_event()
             event.record(stream)
         self.packed_mask.record_stream(stream)
         return LegacySamplingMaskCopy(host, event, self.vocab_size)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.v1.cuda_events import host_event
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
 from vllm.v1.sample.sampling_mask import HostStagingSlot
 
@@ -73,7 +74,7 @@ class AsyncOutputCopier:
         # Two pinned staging slots (sampled ids, logprobs; sampling masks when no lending slot is free) and their
         # copies' events, alternating; and the lending slots of the masks (module docstring).
         self._slots = [HostStagingSlot() for _ in range(2)] if on_cuda else []
-        self._events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
+        self._events = [host_event() for _ in range(2)] if on_cuda else []
         self._lending: list[HostStagingSlot] = []
         self._next_slot = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-output") if use_thread else None
@@ -105,7 +106,12 @@ class AsyncOutputCopier:
             lent = self._lending_slot() if slot is not None else None
             if lent is not None:
                 lent.pending = True  # until the output thread has built this step's lists
-            mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot)
+            try:
+                mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot)
+            except BaseException:
+                if lent is not None:
+                    lent.pending = False  # any copy it queued runs before the next step's on the copy stream
+                raise
             if self.timer is not None:
                 self.timer.add("launch.mask", time.perf_counter() - t0)
                 if lent is None and slot is not None:

@@ -33,6 +33,7 @@ import torch
 
 from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.cuda_events import host_event
 from vllm.v1.worker.input_batch import InputBatch
 
 
@@ -112,7 +113,7 @@ class InputBuffers:
         self.sampling_mask_rows = buf(max_num_reqs, dtype=torch.int32)
         self.sampling_mask_group = buf(max_num_reqs, dtype=torch.int32)
         self._arange_np = np.arange(max(max_num_tokens, max_model_len, max_num_reqs) + 1, dtype=np.int64)
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._copied = host_event() if device.type == "cuda" else None
         # Rows of the last prepared step that take their newest input id from the previous step's sampled ids.
         self._num_cont = 0
 
