@@ -136,8 +136,9 @@ def _handle_event(data: bytes | str, rec: RequestRecord, mask_check: str = "pars
     if data in ("[DONE]", b"[DONE]"):
         return True
     if mask_check == "count" and msgspec is not None:
-        return _handle_counted_event(data, rec)
-    obj = _json_loads(data)
+        obj, mask_size = _counted_event(data), _raw_list_length
+    else:
+        obj, mask_size = _json_loads(data), len
     if "error" in obj:
         rec.error = f"stream error: {str(obj['error'])[:300]}"
         return True
@@ -149,32 +150,22 @@ def _handle_event(data: bytes | str, rec: RequestRecord, mask_check: str = "pars
         if masks is not None:
             rec.has_mask = True
             rec.masks += len(masks)
-            rec.mask_ids += sum(len(m) for m in masks)
+            rec.mask_ids += sum(mask_size(m) for m in masks)
     usage = obj.get("usage")
     if usage:
         rec.usage_tokens = int(usage.get("completion_tokens", 0))
     return False
 
 
-def _handle_counted_event(data: bytes | str, rec: RequestRecord) -> bool:
-    """`_handle_event` with the masks counted from their raw JSON (`--mask-check count`)."""
+def _counted_event(data: bytes | str) -> dict[str, Any]:
+    """The payload as `_handle_event` reads it, each token's mask left as its raw JSON (`--mask-check count`)."""
     chunk = _counted_decoder.decode(data)
+    obj: dict[str, Any] = {"usage": chunk.usage, "choices": [
+        {"text": c.text, "token_ids": c.token_ids, "logprobs": c.logprobs, "sampling_mask": c.sampling_mask}
+        for c in chunk.choices or []]}
     if chunk.error is not None:
-        rec.error = f"stream error: {str(chunk.error)[:300]}"
-        return True
-    for choice in chunk.choices or []:
-        if rec.first_token is None:
-            rec.first_token = time.time()
-        masks = choice.sampling_mask
-        rec.chunk_tokens += chunk_token_count({"token_ids": choice.token_ids, "logprobs": choice.logprobs,
-                                               "sampling_mask": masks, "text": choice.text})
-        if masks is not None:
-            rec.has_mask = True
-            rec.masks += len(masks)
-            rec.mask_ids += sum(_raw_list_length(m) for m in masks)
-    if chunk.usage:
-        rec.usage_tokens = int(chunk.usage.get("completion_tokens", 0))
-    return False
+        obj["error"] = chunk.error
+    return obj
 
 
 async def _stream_one(client: Any, spec: LevelSpec, prompt: list[int], rec: RequestRecord) -> None:

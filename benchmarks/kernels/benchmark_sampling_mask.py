@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked, launch_compact, launch_pack_count
-from vllm.v1.sample.sampling_mask import (MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask,
-                                          legacy_pack_sampling_mask, legacy_unpack_sampling_mask)
+from vllm.v1.sample.legacy_mask import legacy_pack_sampling_mask, legacy_unpack_sampling_mask
+from vllm.v1.sample.sampling_mask import MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask
 
 
 def make_logits(num_reqs: int, vocab_size: int, k: int, device: torch.device, seed: int) -> torch.Tensor:

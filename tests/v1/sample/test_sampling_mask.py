@@ -9,7 +9,8 @@ import triton
 
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
-from vllm.v1.sample.sampling_mask import (MAX_COMPACT_SUPPORT, SamplingMaskTensors, legacy_sampling_mask_lists)
+from vllm.v1.sample.legacy_mask import legacy_sampling_mask_lists
+from vllm.v1.sample.sampling_mask import MAX_COMPACT_SUPPORT, SamplingMaskTensors
 
 V = 4500
 # NOTE: on a CUDA machine the kernel runs compiled on the GPU; otherwise interpreted on CPU tensors.
@@ -171,7 +172,7 @@ def test_packed_ids_give_the_same_csr_as_the_compact_buffer(overflow: bool) -> N
 def test_cuda_staged_copy_lists_survive_the_slot_reuse() -> None:
     """With a reusable staging slot (the async output copier's), the lists and texts of one step are copies: a
     later step copying into the same slot does not change them; a bigger step grows the slot."""
-    from vllm.v1.sample.sampling_mask import HostStagingSlot
+    from vllm.v1.host_staging import HostStagingSlot
     vocab_size = 151552
     slot = HostStagingSlot()
     steps = [[1, 8, 220, 512, 0], [3, 500, 500, 500, 500, 17, 2, 9]]
@@ -192,7 +193,7 @@ def test_cuda_staged_copy_lists_survive_the_slot_reuse() -> None:
 def test_host_staging_slot_reuses_and_grows_its_buffers() -> None:
     """HostStagingSlot (unpinned here, so on CPU): a copy comes back with the source's dtype, shape and values;
     a smaller copy under the same name reuses the buffer, a larger one grows it; names do not share buffers."""
-    from vllm.v1.sample.sampling_mask import HostStagingSlot
+    from vllm.v1.host_staging import HostStagingSlot
     slot = HostStagingSlot(pin=False)
     a = torch.arange(12, dtype=torch.int64).reshape(3, 4)
     got = slot.copy(a, "x")
@@ -211,7 +212,7 @@ def test_lending_slot_is_in_use_while_a_view_lives() -> None:
     """A lending HostStagingSlot (unpinned, on CPU): the numpy views `array` hands out, and every array or
     memoryview derived from them, keep the slot in use; a plain numpy of the copy's tensor does not count; a
     pending step does; a view of a buffer that grew keeps its values (the slot writes only the new buffer)."""
-    from vllm.v1.sample.sampling_mask import HostStagingSlot
+    from vllm.v1.host_staging import HostStagingSlot
     slot = HostStagingSlot(pin=False, lends=True)
     host = slot.copy(torch.arange(10, dtype=torch.int32), "ids")
     slot.copy(torch.zeros(3, dtype=torch.uint8), "text")

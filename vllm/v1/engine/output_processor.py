@@ -205,13 +205,6 @@ class RequestState:
         form it no longer keeps, that one is converted (texts parsed, ids formatted) so the masks stay whole."""
         if num_new == 0:
             return
-        if (new_mask is None and new_text is not None and new_text.offsets is None and num_new == num_kept == 1
-                and self.sampling_masks is None and self.sampling_mask_texts is not None
-                and self.output_kind == RequestOutputKind.DELTA):
-            # NOTE: the common case of an API server's stream (one token, its text only, as every step before),
-            # once per token: what the general path below does for it.
-            self.sampling_mask_texts.append(new_text.text)
-            return
         if new_mask is None and new_text is None:
             if self.has_masks:
                 raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens without "

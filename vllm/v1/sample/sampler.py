@@ -28,7 +28,8 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.ops.logprobs import gather_logprobs
 from vllm.v1.sample.ops.sample import random_sample
 from vllm.v1.sample.ops.topk_topp import SAMPLING_EPS, process_logits
-from vllm.v1.sample.sampling_mask import LegacySamplingMask, SamplingMaskTensors
+from vllm.v1.sample.legacy_mask import LegacySamplingMask
+from vllm.v1.sample.sampling_mask import SamplingMaskTensors
 
 
 

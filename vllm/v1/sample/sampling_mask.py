@@ -28,15 +28,14 @@ Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where s
 - `to_cpu_nonblocking(copy_packed_mask=True)` copies the whole bitmask eagerly (upstream's behaviour).
 - On CPU tensors everything is already on the host: the copy is a no-op holding the same tensors.
 
-The pre-change path (`legacy_pack_sampling_mask` + `legacy_unpack_sampling_mask`, or both in
-`legacy_sampling_mask_lists`) packs isfinite() on the device, copies the full bitmask and unpacks it with
+The pre-change path (vllm/v1/sample/legacy_mask.py: `legacy_pack_sampling_mask` + `legacy_unpack_sampling_mask`,
+or both in `legacy_sampling_mask_lists`) packs isfinite() on the device, copies the full bitmask and unpacks it with
 np.unpackbits + np.nonzero over [num_reqs, V] on the host; the runner selects it with
 VLLM_SAMPLING_MASK_LEGACY_PATH, benchmarks compare against it.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,14 +45,15 @@ import triton
 import triton.language as tl
 
 from vllm.v1.cuda_events import host_event
+from vllm.v1.host_staging import HostStagingSlot, copy_stream, pinned_copy
 from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
+from vllm.v1.sample.legacy_mask import legacy_pack_sampling_mask
 from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
 from vllm.v1.sample.ops.mask_json import json_rows_packed, pack_rows
 
 MAX_COMPACT_SUPPORT = 2048
 
 _BLOCK_SIZE = 1024
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 # NOTE: overflow-row gathers run on their own stream: the copy stream is made to wait for the *next* step's
 # compute (to_cpu_nonblocking of step N+1), and a gather for step N queued behind it would stall the output
 # thread for a whole step. The gather needs no wait: its step's `ready` event has already fired on the host.
@@ -221,16 +221,16 @@ class SamplingMaskTensors(NamedTuple):
             return SamplingMaskCopy(self, None, None, *(self._json_text() if with_text else (None, None)),
                                     text_group=self.text_group if with_text else None)
         device = self.counts.device
-        stream = _copy_stream(device)
+        stream = copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        copy = (lambda t, _name: _pinned_copy(t)) if staging is None else staging.copy
+        copy = (lambda t, _name: pinned_copy(t)) if staging is None else staging.copy
         with torch.cuda.stream(stream):
             # NOTE: the ids leave the device packed row after row (what the host's CSR is), so the output thread
             # only cuts them; rows past K contribute nothing here and are filled from the bitmask.
             ids = self.packed_ids if self.packed_ids is not None else pack_rows(self.token_ids, self.counts)
             packed_ids = copy(ids, "ids")
             counts = copy(self.counts, "counts")
-            packed_mask = _pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
+            packed_mask = pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
             text, text_lengths, text_group = None, None, None
             if with_text:
                 text, text_lengths = (copy(t, name) for t, name in zip(self._json_text(), ("text", "lengths")))
@@ -341,76 +341,6 @@ def group_rank(group: np.ndarray) -> np.ndarray:
     return rank
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _copy_streams:
-        _copy_streams[device] = torch.cuda.Stream(device=device)
-    return _copy_streams[device]
-
-
-def _pinned_copy(src: torch.Tensor) -> torch.Tensor:
-    dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
-    dst.copy_(src, non_blocking=True)
-    return dst
-
-
-class HostStagingSlot:
-    """Host buffers (pinned unless `pin=False`), one per name, reused from step to step and grown when a step
-    needs more; the async output copier's staging for everything a step copies to the host.
-
-    NOTE: a fresh pinned tensor per step and per buffer (several MB at 1024 rows) goes through CUDA's caching
-    host allocator on the engine's main thread, and pins new memory whenever no cached block is free yet.
-
-    Two ways to use a slot (`lends`):
-    - copy-out (the default): the owner (AsyncOutputCopier) keeps one such slot per step in flight and reuses it
-      only after the step that used it has been turned into lists, which copy out of it;
-    - lending: the lists are numpy views of the slot (`array`), handed out with the step's outputs, so nothing
-      is copied on the host; the slot is reused only once no such view is left (`in_use`: every view derives
-      from the slot's own array of its buffer, whose reference count tells). A consumer that keeps its outputs
-      (the offline LLM keeps a request's masks until it finishes) keeps the slot; the owner then takes another.
-    """
-
-    def __init__(self, pin: bool = True, lends: bool = False) -> None:
-        self.pin = pin
-        self.lends = lends
-        self._buffers: dict[str, torch.Tensor] = {}
-        # One numpy array over each buffer; lent views derive from it (their numpy base).
-        self._arrays: dict[str, np.ndarray] = {}
-        # A step's copies into this slot are in flight or not yet turned into lists (set and cleared by the owner).
-        self.pending = False
-
-    def copy(self, src: torch.Tensor, name: str) -> torch.Tensor:
-        """Non-blocking copy of `src` into this slot's buffer `name`; returns the host view (src's dtype, shape)."""
-        nbytes = src.numel() * src.element_size()
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1 << 16) * 5 // 4, dtype=torch.uint8, pin_memory=self.pin)
-            self._buffers[name] = buf
-            self._arrays[name] = buf.numpy()
-        dst = buf[:nbytes].view(src.dtype).view(src.shape)
-        dst.copy_(src, non_blocking=True)
-        return dst
-
-    def array(self, name: str, host: torch.Tensor) -> np.ndarray:
-        """`host` (what `copy(..., name)` returned) as a numpy view that counts as a use of this slot (`in_use`);
-        a plain `host.numpy()` would not."""
-        nbytes = host.numel() * host.element_size()
-        return self._arrays[name][:nbytes].view(_NUMPY_DTYPES[host.dtype]).reshape(host.shape)
-
-    def in_use(self) -> bool:
-        """Whether a step's copies are pending here or a view from `array` (or any array derived from one) is
-        still alive."""
-        if self.pending:
-            return True
-        for name in self._arrays:
-            # NOTE: the dict's reference and getrefcount's argument are the two that are always there.
-            if sys.getrefcount(self._arrays[name]) > 2:
-                return True
-        return False
-
-
-_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8, torch.float32: np.float32}
-
-
 def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
                            stream: torch.cuda.Stream | None) -> np.ndarray:
     if not packed_mask.is_cuda:
@@ -459,87 +389,3 @@ def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None,
     bits = np.unpackbits(packed, axis=1, count=mask.vocab_size, bitorder="little")
     out[np.repeat(overflow, counts)] = np.nonzero(bits)[1]
     return SamplingMaskLists(out, offsets, None)
-
-
-def legacy_pack_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor | None) -> torch.Tensor:
-    """Pre-change device half: isfinite(logits) packed to [num_reqs, ceil(V/8)] uint8 (little bit order)."""
-    keep = torch.isfinite(logits)  # [num_reqs, V] bool
-    if num_sampled is not None:
-        keep &= (num_sampled.to(logits.device) > 0)[:, None]
-    return pack_bool_mask(keep)
-
-
-def pack_bool_mask(keep: torch.Tensor) -> torch.Tensor:
-    """[num_reqs, V] bool -> [num_reqs, ceil(V/8)] uint8, bit j of byte b is token 8b+j (little bit order)."""
-    num_reqs, vocab_size = keep.shape
-    pad = (-vocab_size) % 8
-    if pad:
-        keep = torch.nn.functional.pad(keep, (0, pad))
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=keep.device)
-    return (keep.reshape(num_reqs, -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
-
-
-def legacy_unpack_sampling_mask(packed_mask: np.ndarray, vocab_size: int) -> SamplingMaskLists:
-    """Pre-change host half: np.unpackbits + np.nonzero over the whole [num_reqs, V] bitmask."""
-    bits = np.unpackbits(packed_mask, axis=1, count=vocab_size, bitorder="little")  # [num_reqs, V] uint8
-    rows, cols = np.nonzero(bits)
-    offsets = np.zeros(packed_mask.shape[0] + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=packed_mask.shape[0]), out=offsets[1:])
-    return SamplingMaskLists(cols.astype(np.int32), offsets, None)
-
-
-def legacy_sampling_mask_lists(logits: torch.Tensor, num_sampled: torch.Tensor | None) -> SamplingMaskLists:
-    """The whole pre-change path, synchronously: pack on the device, copy the full bitmask, unpack on host."""
-    return LegacySamplingMask.from_logits(logits, num_sampled).tolists()
-
-
-class LegacySamplingMask(NamedTuple):
-    """The pre-change path as the sampler's mask output (benchmarks only): the full bitmask stays on the
-    device until `to_cpu_nonblocking().tolists()` copies all of it and unpacks it on the host."""
-
-    # [num_reqs, ceil(V/8)] uint8
-    packed_mask: torch.Tensor
-    vocab_size: int
-
-    @classmethod
-    def from_logits(cls, logits: torch.Tensor, num_sampled: torch.Tensor | None) -> LegacySamplingMask:
-        return cls(legacy_pack_sampling_mask(logits, num_sampled), logits.shape[1])
-
-    def to_cpu_nonblocking(self, with_text: bool = False, staging: HostStagingSlot | None = None
-                           ) -> LegacySamplingMaskCopy:
-        """Copy the whole bitmask to pinned memory on the side stream (as upstream's pre-change path did).
-        `with_text` and `staging` are ignored: the pre-change path never formats the masks' JSON text, and
-        allocates its copy per step."""
-        if not self.packed_mask.is_cuda:
-            return LegacySamplingMaskCopy(self.packed_mask, None, self.vocab_size)
-        device = self.packed_mask.device
-        stream = _copy_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            host = _pinned_copy(self.packed_mask)
-            event = host_event()
-            event.record(stream)
-        self.packed_mask.record_stream(stream)
-        return LegacySamplingMaskCopy(host, event, self.vocab_size)
-
-    def tolists(self) -> SamplingMaskLists:
-        return self.to_cpu_nonblocking().tolists()
-
-
-@dataclass(slots=True)
-class LegacySamplingMaskCopy:
-    # [num_reqs, ceil(V/8)] uint8, on the host once `ready` fires.
-    packed_mask: torch.Tensor
-    ready: torch.cuda.Event | None
-    vocab_size: int
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-    def tolists(self) -> SamplingMaskLists:
-        self.wait()
-        return legacy_unpack_sampling_mask(self.packed_mask.numpy(), self.vocab_size)
-
-    def text_lists(self, lists: SamplingMaskLists) -> None:
-        return None

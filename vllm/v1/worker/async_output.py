@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from vllm.v1.cuda_events import host_event
+from vllm.v1.host_staging import HostStagingSlot
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
-from vllm.v1.sample.sampling_mask import HostStagingSlot
 
 # Lending staging slots for the sampling masks (module docstring); ~8 MB of pinned memory each at 1024 rows.
 _MAX_LENDING_SLOTS = 6
