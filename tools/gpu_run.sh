@@ -4,7 +4,7 @@
 # PACK=1 they are packed into $OUT/all.tgz instead (the device tool returns only a few files, and no deep folders).
 #   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
 # Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians); stage `diagnose` the next
-# experiments on the mask arm's engine-core host time. Stage options: TEST_PATHS (tests),
+# experiments on the mask arm's engine-core host time; stage `ahead` the launch-ahead switch's A/B. Stage options: TEST_PATHS (tests),
 # MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) while the stages run.
 set -uo pipefail
@@ -20,7 +20,7 @@ fi
 for s in $stages; do
   echo "=== $s $(date +%T)"
   case $s in
-    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; lscpu | grep -i -e "model name" -e "thread(s) per core" -e "core(s) per socket" -e "^CPU(s)" -e MHz; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
+    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; echo "SMT siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | tr "\n" " ")"; lscpu | grep -i -e "model name" -e "thread(s) per core" -e "core(s) per socket" -e "^CPU(s)" -e MHz; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
     tests) python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/v1/attention tests/v1/sample tests/models tests/v1/worker} 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
     async) python3 tools/gpu_async_check.py 2>&1 | grep -v Warning | tee "$OUT/async_check.txt" ;;
     graphs) python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_cudagraph.py 2>&1 | tail -3 | tee "$OUT/graph_tests.txt" ;;
@@ -61,6 +61,19 @@ for s in $stages; do
           --out-dir "$OUT/diagnose_$name" --arms no-mask mask --concurrencies 512 1024 \
           --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 100 $args 2>&1 \
           | grep --line-buffered -v Warning | tee "$OUT/diagnose_$name.txt"
+      done ;;
+    ahead)  # launch-ahead (VLLM_ENGINE_LAUNCH_AHEAD=1: the step after next launched before a step's outputs are
+      # sent or processed): serving no mask / mask / mask + launch-ahead, two rounds, 256-1024 streams; then offline
+      # no-mask throughput at 512 requests without and with it (~9 min)
+      VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ahead" \
+        --arms no-mask mask mask+VLLM_ENGINE_LAUNCH_AHEAD=1 --rounds 2 --concurrencies 256 512 1024 \
+        --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 400 2>&1 \
+        | grep --line-buffered -v Warning | tee "$OUT/ahead.txt"
+      for a in 0 1 1 0; do
+        VLLM_ENGINE_LAUNCH_AHEAD=$a python3 benchmarks/benchmark_throughput.py \
+          --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
+          --max-num-seqs 512 --num-prompts 512 --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 \
+          --top-k 512 2>&1 | grep -v Warning | tail -1 | sed "s/^/launch_ahead=$a: /" | tee -a "$OUT/ahead_offline.txt"
       done ;;
     acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (CAB CBA), medians (~8 min)
       VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/acceptance" \
