@@ -59,6 +59,7 @@ class EngineCore:
         copier = getattr(getattr(self.worker, "model_runner", None), "output_copier", None)
         if copier is not None:
             copier.timer = self.step_timer
+            copier.device_timing = envs.VLLM_ENGINE_STEP_TIMING
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
