@@ -384,14 +384,14 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
         lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "
                       "ms per step:", "",
                   "| arm | rows | steps/s | schedule | launch | of it, mask copy | wait | update | send "
-                  "| lists (output thread) | host busy |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| lists (output thread) | device step | device idle | host busy |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, w in busiest:
             if w is not None:
                 lines.append(f"| {name} | {w['rows']:.0f} | {w['steps_per_s']:.1f} | "
                              + " | ".join(f"{w[k]:.2f}" if k in w else "-"
                                           for k in ("schedule", "launch", "launch.mask", "wait", "update", "send",
-                                                    "out.lists"))
+                                                    "out.lists", "dev.step", "dev.gap"))
                              + f" | {w['host_busy_pct']:.0f}% |")
     if any(a.get("gc") for a in arms):
         lines += ["", "Garbage collection (VLLM_ENGINE_STEP_TIMING): the largest share of a log window paused, and "

@@ -4,8 +4,8 @@
 # PACK=1 they are packed into $OUT/all.tgz instead (the device tool returns only a few files, and no deep folders).
 #   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
 # Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians); stage `diagnose` the next
-# experiments on the mask arm's engine-core host time. Stage options: TEST_PATHS (tests),
-# MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
+# experiments on the mask arm's step (host or device, launch-ahead); stage `contention` the CPU-contention ones.
+# Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) while the stages run.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -20,7 +20,7 @@ fi
 for s in $stages; do
   echo "=== $s $(date +%T)"
   case $s in
-    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; lscpu | grep -i -e "model name" -e "thread(s) per core" -e "core(s) per socket" -e "^CPU(s)" -e MHz; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
+    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; echo "SMT siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | tr "\n" " ")"; lscpu | grep -i -e "model name" -e "thread(s) per core" -e "core(s) per socket" -e "^CPU(s)" -e MHz; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
     tests) python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/v1/attention tests/v1/sample tests/models tests/v1/worker} 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
     async) python3 tools/gpu_async_check.py 2>&1 | grep -v Warning | tee "$OUT/async_check.txt" ;;
     graphs) python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_cudagraph.py 2>&1 | tail -3 | tee "$OUT/graph_tests.txt" ;;
@@ -53,19 +53,32 @@ for s in $stages; do
     topk) [ -f benchmarks/kernels/benchmark_topk_select.py ] && python3 benchmarks/kernels/benchmark_topk_select.py \
         --out "$OUT/topk_bench.json" 2>&1 | tee "$OUT/topk_bench.txt" ;;
     ab) VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
-    diagnose)  # what slows the engine core's main thread with masks on (docs/benchmarks.md, "What is still open"):
-      # the device step with the JSON kernels in the sampler graph; then the no-mask/mask A/B at 512/1024 streams as
-      # it is, with the clients counting masks from raw JSON, with that plus server and clients on disjoint CPUs,
-      # and with that plus blocking-sync events (no spinning output thread) (~9 min)
+    diagnose)  # is the mask arm's 1024-stream step the host's or the device's (docs/benchmarks.md, "What is still
+      # open"): the device step with the JSON kernels in the sampler graph; then no mask / mask / mask with
+      # launch-ahead at 512 and 1024 streams, clients counting masks from raw JSON, two rounds, with the step
+      # timing's device phases (dev.step, dev.gap); then offline no-mask throughput without and with launch-ahead
+      # (~9 min)
       python3 tools/gpu_kernel_profile.py --rows 1024 --steps 20 --mask-text --out "$OUT" 2>&1 \
         | grep -v -e Warning -e USDT | tee "$OUT/kernel_profile_mask_text.txt"
+      VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/diagnose" \
+        --arms no-mask mask mask+VLLM_ENGINE_LAUNCH_AHEAD=1 --rounds 2 --concurrencies 512 1024 --mask-check count \
+        --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 330 2>&1 \
+        | grep --line-buffered -v Warning | tee "$OUT/diagnose.txt"
+      for a in 0 1 1 0; do
+        VLLM_ENGINE_LAUNCH_AHEAD=$a python3 benchmarks/benchmark_throughput.py \
+          --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
+          --max-num-seqs 512 --num-prompts 512 --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 \
+          --top-k 512 2>&1 | grep -v Warning | tail -1 | sed "s/^/launch_ahead=$a: /" | tee -a "$OUT/ahead_offline.txt"
+      done ;;
+    contention)  # the mask arm against CPU contention: clients counting masks from raw JSON, plus server and
+      # clients on disjoint CPUs, plus blocking-sync events (no spinning output thread), at 512/1024 (~7 min)
       pinned="--mask-check count --server-cpus 0-9 --client-cpus 10-15"
-      for v in "base:0:" "count:0:--mask-check count" "pinned:0:$pinned" "blocking:1:$pinned"; do
+      for v in "count:0:--mask-check count" "pinned:0:$pinned" "blocking:1:$pinned"; do
         name=${v%%:*}; rest=${v#*:}; blocking=${rest%%:*}; args=${rest#*:}
         VLLM_OUTPUT_BLOCKING_SYNC=$blocking VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py \
-          --out-dir "$OUT/diagnose_$name" --arms no-mask mask --concurrencies 512 1024 \
-          --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 100 $args 2>&1 \
-          | grep --line-buffered -v Warning | tee "$OUT/diagnose_$name.txt"
+          --out-dir "$OUT/contention_$name" --arms no-mask mask --concurrencies 512 1024 \
+          --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 120 $args 2>&1 \
+          | grep --line-buffered -v Warning | tee "$OUT/contention_$name.txt"
       done ;;
     acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (CAB CBA), medians (~8 min)
       VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/acceptance" \

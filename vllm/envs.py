@@ -60,6 +60,9 @@ _VARS = {
     # Performance work only: the engine-core process sends its output frames copied (1) instead of zero-copy (the
     # default, whose large frames pyzmq releases from a thread of its own that takes the GIL; docs/benchmarks.md).
     "VLLM_ENGINE_SEND_COPY": lambda: _bool("VLLM_ENGINE_SEND_COPY", False),
+    # Performance work only: the engine core schedules and launches the step after next before it sends (or, in
+    # process, hands on) the outputs of the step just finished (EngineCore.launch_ahead).
+    "VLLM_ENGINE_LAUNCH_AHEAD": lambda: _bool("VLLM_ENGINE_LAUNCH_AHEAD", False),
     # Performance work only: the CUDA events the engine's threads wait on sleep instead of spinning
     # (vllm/v1/cuda_events.py).
     "VLLM_OUTPUT_BLOCKING_SYNC": lambda: _bool("VLLM_OUTPUT_BLOCKING_SYNC", False),

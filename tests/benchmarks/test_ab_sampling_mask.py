@@ -32,9 +32,12 @@ def test_step_timing_windows_are_parsed_and_the_busiest_is_tabled(tmp_path) -> N
 
     arm = {"arm": "mask", "error": None, "levels": [], "step_timing": windows}
     text = ab.markdown([arm], [64])
-    assert "| mask | 947 | 62.8 | 0.87 | 3.78 | - | 8.85 | 1.82 | 0.47 | 0.93 | 44% |" in text  # no launch.mask
+    # Neither launch.mask nor the device phases in this log.
+    assert "| mask | 947 | 62.8 | 0.87 | 3.78 | - | 8.85 | 1.82 | 0.47 | 0.93 | - | - | 44% |" in text
     windows[1]["launch.mask"] = 0.63  # the runner's split of launch (newer logs), when present
-    assert "| mask | 947 | 62.8 | 0.87 | 3.78 | 0.63 | 8.85 |" in ab.markdown([arm], [64])
+    windows[1].update({"dev.step": 11.2, "dev.gap": 1.37})  # CUDA with step timing (newer logs)
+    assert "| mask | 947 | 62.8 | 0.87 | 3.78 | 0.63 | 8.85 | 1.82 | 0.47 | 0.93 | 11.20 | 1.37 | 44% |" in \
+        ab.markdown([arm], [64])
     assert "step timing" not in ab.markdown([{**arm, "step_timing": []}], [64])
 
 

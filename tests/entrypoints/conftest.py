@@ -92,7 +92,7 @@ def stop_server(srv: RemoteServer) -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RemoteServer]:
-    srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
+    srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "2048",
                         "--max-num-seqs", "16", "--api-key", API_KEY, "--seed", "0"])
     yield srv
     stop_server(srv)

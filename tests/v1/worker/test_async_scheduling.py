@@ -157,3 +157,37 @@ def test_next_step_launches_before_previous_tokens_reach_the_host() -> None:
     assert _summary(outs) == _summary(ref)
     assert max(in_flight) == 1, "a step must be launched while the previous one is still in flight"
     assert sum(fed_from_device) >= 2 * 4
+
+
+def test_launch_ahead_keeps_two_steps_in_flight_while_outputs_are_processed(monkeypatch: pytest.MonkeyPatch
+                                                                            ) -> None:
+    """With VLLM_ENGINE_LAUNCH_AHEAD=1 the frontend processes step N's outputs while steps N+1 and N+2 are both
+    launched (without it, only N+1), and every token, mask and logprob is the synchronous engine's."""
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7 + i, max_tokens=9, logprobs=2,
+                             ignore_eos=True) for i in range(5)]
+    results, in_flight = {}, {}
+    for ahead in (None, False, True):  # None: synchronous steps, the reference
+        monkeypatch.setenv("VLLM_ENGINE_LAUNCH_AHEAD", "1" if ahead else "0")
+        llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=ahead is not None,
+                  return_sampling_mask=True, logprobs_mode="processed_logprobs")
+        core, engine = _engine_core(llm), llm.llm_engine
+        assert core.launches_ahead is bool(ahead)
+        seen: list[int] = []
+        process = engine.output_processor.process_outputs
+        engine.output_processor.process_outputs = lambda outs, p=process, s=seen, c=core: (
+            s.append(len(c.batch_queue)), p(outs))[1]
+        results[ahead] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
+        in_flight[ahead] = seen
+        assert not core.has_unfinished_requests() and not core.batch_queue
+        assert core.scheduler.kv_cache_manager.usage == 0
+    assert max(in_flight[False]) == 1 and max(in_flight[True]) == 2
+    # Two in flight except where the queue drains: once when the first four requests finish (the fifth cannot be
+    # scheduled before their last update) and in the last steps.
+    assert in_flight[True].count(2) >= len(in_flight[True]) - 4, in_flight
+    for ahead in (False, True):
+        for a, b in zip(results[None], results[ahead]):
+            ca, cb = a.outputs[0], b.outputs[0]
+            assert ca.token_ids == cb.token_ids and len(cb.token_ids) == 9
+            assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
+            assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
+                [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]

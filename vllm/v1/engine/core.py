@@ -12,6 +12,11 @@ Invariants:
   AsyncScheduler's placeholders and the runner's device-side token feed rely on.
 - `has_unfinished_requests()` stays true while a step is in flight, so callers keep stepping until the queue
   has drained.
+
+Launching ahead (`launch_ahead()`, VLLM_ENGINE_LAUNCH_AHEAD=1): the caller refills the queue right after `step()`
+returned step N's outputs, before it sends or processes them; the queue order is unchanged (step N+2 is still
+scheduled after step N's update), only the host work on step N's outputs moves from before the launch of step
+N+2 to after it, off the path that keeps the device fed.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import time
 from collections import deque
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -44,6 +50,8 @@ class EngineCore:
         self.worker.compile_or_warm_up_model()
         self.num_gpu_blocks = num_blocks
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        # VLLM_ENGINE_LAUNCH_AHEAD (an experiment, off by default): see `launch_ahead`.
+        self.launches_ahead = envs.VLLM_ENGINE_LAUNCH_AHEAD
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(vllm_config, num_blocks)
         self.batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
@@ -51,6 +59,7 @@ class EngineCore:
         copier = getattr(getattr(self.worker, "model_runner", None), "output_copier", None)
         if copier is not None:
             copier.timer = self.step_timer
+            copier.device_timing = envs.VLLM_ENGINE_STEP_TIMING
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
@@ -82,7 +91,30 @@ class EngineCore:
         timer.count_step(len(scheduler_output.num_scheduled_tokens))
         return outputs
 
+    def launch_ahead(self) -> None:
+        """With async scheduling and VLLM_ENGINE_LAUNCH_AHEAD: schedule and launch steps until the batch queue is
+        full, now rather than at the start of the next `step()`. A caller that holds a step's outputs calls it
+        before handing them on (sending, detokenizing), so that the device gets the step after next while the
+        host does that work; without the switch (or async scheduling) it does nothing."""
+        if self.async_scheduling and self.launches_ahead:
+            self._fill_batch_queue()
+
     def step_with_batch_queue(self) -> EngineCoreOutputs:
+        queue, timer = self.batch_queue, self.step_timer
+        self._fill_batch_queue()
+        if not queue:
+            return EngineCoreOutputs()
+        scheduler_output, future = queue.popleft()
+        t0 = time.perf_counter()
+        model_output = future.get_output()
+        t1, c1 = time.perf_counter(), time.thread_time()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        timer.add("wait", t1 - t0)
+        timer.add("update", time.perf_counter() - t1, time.thread_time() - c1)
+        timer.count_step(len(scheduler_output.num_scheduled_tokens))
+        return outputs
+
+    def _fill_batch_queue(self) -> None:
         queue, timer = self.batch_queue, self.step_timer
         while len(queue) < _BATCH_QUEUE_SIZE and self.scheduler.has_requests():
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -95,14 +127,3 @@ class EngineCore:
             timer.add("launch", time.perf_counter() - t1, time.thread_time() - c1)
             if not has_tokens:
                 break
-        if not queue:
-            return EngineCoreOutputs()
-        scheduler_output, future = queue.popleft()
-        t0 = time.perf_counter()
-        model_output = future.get_output()
-        t1, c1 = time.perf_counter(), time.thread_time()
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        timer.add("wait", t1 - t0)
-        timer.add("update", time.perf_counter() - t1, time.thread_time() - c1)
-        timer.count_step(len(scheduler_output.num_scheduled_tokens))
-        return outputs

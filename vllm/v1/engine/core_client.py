@@ -127,6 +127,7 @@ class InprocClient(EngineCoreClient):
 
     def get_output(self) -> EngineCoreOutputs:
         outputs = self.engine_core.step()
+        self.engine_core.launch_ahead()  # the device runs the next steps while the frontend processes these
         outputs.materialize_step_rows()
         return outputs
 

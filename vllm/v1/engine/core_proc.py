@@ -14,6 +14,9 @@ one of:
 Invariants:
 - Every input that is waiting is handled before the next step, so an ABORT frees its KV blocks before the
   blocks are used again; after an abort that left the core idle, one stats-only output reports the new KV usage.
+- A step's outputs are sent on the next turn of the loop, after the inputs that came meanwhile and after
+  `engine_core.launch_ahead()` (which launches the step after next when VLLM_ENGINE_LAUNCH_AHEAD is set), and
+  always before the core blocks waiting for input.
 - With several clients, each request's outputs go to the client named by its `client_index` and only there;
   scheduler stats go to every client. An ADD whose request id is already running (two API servers given the
   same id) is refused with an ABORT-finished output to its own client; the running request is untouched, also
@@ -56,11 +59,13 @@ _STEP_TIMING_LOG_S = 5.0
 
 
 class EngineCoreProc:
-    """Owns the sockets and the loop; `engine_core` is anything with EngineCore's four methods."""
+    """Owns the sockets and the loop; `engine_core` is anything with EngineCore's four methods (add_request,
+    abort_requests, has_unfinished_requests, step), and optionally its `launch_ahead`."""
 
     def __init__(self, engine_core: Any, input_addresses: list[str], output_addresses: list[str],
                  parent_pid: int) -> None:
         self.engine_core = engine_core
+        self.launch_ahead: Callable[[], None] = getattr(engine_core, "launch_ahead", lambda: None)
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
@@ -191,26 +196,34 @@ class EngineCoreProc:
 
     def _busy_loop(self, timer: Any, log_every: float | None, gc_timer: GcTimer | None) -> None:
         last_log = time.monotonic()
+        # A step's outputs wait here from its update to the next turn of the loop: they are sent after the
+        # inputs that came meanwhile were applied and, with launch-ahead (EngineCore.launch_ahead), after the
+        # step after next was launched.
+        outputs: EngineCoreOutputs | None = None
         while not self.should_stop:
             idle = not self.engine_core.has_unfinished_requests()
             t0 = time.perf_counter()
-            aborted = self._process_inputs(block=idle)
+            aborted = self._process_inputs(block=idle and outputs is None)
             if self.should_stop:
                 break
-            if idle and timer is not None:
+            if idle and outputs is None and timer is not None:
                 timer.restart_if_empty()
-            if self.engine_core.has_unfinished_requests():
-                t1 = time.perf_counter()
-                outputs = self.engine_core.step()
+            busy = self.engine_core.has_unfinished_requests()
+            t1 = time.perf_counter()
+            if busy and outputs is not None:
+                self.launch_ahead()
+            if outputs is not None:
                 t2, c2 = time.perf_counter(), time.thread_time()
                 self.send_outputs(outputs)
                 # NOTE: not kept through the next step: its masks may be views of a lending staging slot
                 # (vllm/v1/worker/async_output.py) that the next step could otherwise take.
-                del outputs
+                outputs = None
                 if timer is not None:
-                    if not idle:  # an idle core blocked for its first request: not a step's time
-                        timer.add("inputs", t1 - t0)
                     timer.add("send", time.perf_counter() - t2, time.thread_time() - c2)
+            if busy:
+                if timer is not None and not idle:  # an idle core blocked for its first request: not a step's
+                    timer.add("inputs", t1 - t0)
+                outputs = self.engine_core.step()
             elif aborted:
                 self.broadcast(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
             # Every few seconds, and when the core goes idle.

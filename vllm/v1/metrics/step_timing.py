@@ -9,9 +9,12 @@ oldest step's output: device time and the output thread not hidden behind host w
 (forward and sampler: graph replays or eager launches), `launch.out` (the outputs' device-to-host copies queued,
 the list building handed to the output thread; synchronous scheduling: the wait for the device and the lists
 too), of which `launch.mask` is the sampling mask's share; `mask.copied` counts the steps whose masks found no
-free lending staging slot and were copied out on the host (vllm/v1/worker/async_output.py). For the main thread's
-`schedule`, `launch`, `update` and `send` of the batch-queue loop, the thread's own CPU time (time.thread_time) is
-added too and reported after them ("cpu ..."): wall above CPU is time the thread was not running, i.e. waiting for
+free lending staging slot and were copied out on the host (vllm/v1/worker/async_output.py). On CUDA, with
+the variable set, timing events around each step's device work add `dev.step` (its device time, first operation
+to last, compute stream) and `dev.gap` (the compute stream idle before it, waiting for the host's launch; gaps
+of a second or more, an idle engine, are left out): a step whose `dev.gap` is ~0 is the device's, one with a
+gap is the host's. For the main thread's `schedule`, `launch`, `update` and `send` of the batch-queue loop,
+the thread's own CPU time (time.thread_time) is added too and reported after them ("cpu ..."): wall above CPU is time the thread was not running, i.e. waiting for
 the GIL, blocked in a call that released it (the launch's copies and CUDA calls), or preempted. With the variable
 set, the engine-core process logs ms per step of each every few seconds; the accumulation itself is a few
 perf_counter / thread_time calls per step and always on.
@@ -23,7 +26,7 @@ import time
 from collections import defaultdict
 
 PHASES = ("inputs", "schedule", "launch", "launch.prep", "launch.model", "launch.out", "launch.mask", "wait",
-          "update", "send", "out.event", "out.lists")
+          "update", "send", "out.event", "out.lists", "dev.step", "dev.gap")
 
 
 class StepTimer:

@@ -80,6 +80,18 @@ class AsyncOutputCopier:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-output") if use_thread else None
         # The engine core's StepTimer (vllm/v1/metrics/step_timing.py), when it has one.
         self.timer: Any = None
+        # VLLM_ENGINE_STEP_TIMING on CUDA: each step's device time and the compute stream's idle time before it,
+        # from timing events around the step's device work (`step_started` to `submit`), into the timer.
+        self.device_timing = False
+        self._step_start: torch.cuda.Event | None = None
+        self._prev_end: torch.cuda.Event | None = None
+
+    def step_started(self) -> None:
+        """Mark the start of a step's device work on the current stream (with `device_timing` on CUDA); the
+        runner calls it before the step's first device operation and `submit` after its last one."""
+        if self.device_timing and self.copy_stream is not None:
+            self._step_start = torch.cuda.Event(enable_timing=True)
+            self._step_start.record()
 
     def submit(self, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor, logprobs: Any,
                sampling_mask: Any, on_ready: Callable[[np.ndarray], None]) -> AsyncModelRunnerOutput:
@@ -89,10 +101,17 @@ class AsyncOutputCopier:
         event = None
         host_sampled, host_logprobs = sampled, logprobs
         slot = None
+        device_events = None
         if self.copy_stream is not None:
             slot, event = self._slots[self._next_slot], self._events[self._next_slot]
             self._next_slot ^= 1
             compute = torch.cuda.current_stream(self.device)
+            if self._step_start is not None:
+                # NOTE: recorded before the copy stream waits for the compute stream, so `event` implies it.
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(compute)
+                device_events = (self._prev_end, self._step_start, end)
+                self._prev_end, self._step_start = end, None
             self.copy_stream.wait_stream(compute)
             with torch.cuda.stream(self.copy_stream):
                 host_sampled = slot.copy(sampled, "sampled")
@@ -116,7 +135,7 @@ class AsyncOutputCopier:
                 self.timer.add("launch.mask", time.perf_counter() - t0)
                 if lent is None and slot is not None:
                     self.timer.count("mask.copied")
-        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent)  # what the lists are built from
+        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent, device_events)  # lists built from
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
             output, sampled_np = _build_output(event, *args, self.timer)
@@ -142,14 +161,33 @@ class AsyncOutputCopier:
 
 
 def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
-                  logprobs: Any, mask_copy: Any, lent: HostStagingSlot | None,
+                  logprobs: Any, mask_copy: Any, lent: HostStagingSlot | None, device_events: Any = None,
                   timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
     """The output thread's job (or the caller's without one): wait for the copies, then build the lists."""
     try:
-        return _build_lists(event, req_ids, samples, sampled, logprobs, mask_copy, timer)
+        output = _build_lists(event, req_ids, samples, sampled, logprobs, mask_copy, timer)
+        if device_events is not None and timer is not None:
+            _add_device_times(timer, *device_events)
+        return output
     finally:
         if lent is not None:
             lent.pending = False  # from now on the views of its masks (if any) keep it in use
+
+
+# NOTE: a longer idle compute stream before a step is the engine waiting for requests, not a step's cost.
+_MAX_DEVICE_GAP_S = 1.0
+
+
+def _add_device_times(timer: Any, prev_end: torch.cuda.Event | None, start: torch.cuda.Event,
+                      end: torch.cuda.Event) -> None:
+    """`dev.step`: the step's device work from its first operation to its last (compute stream); `dev.gap`: the
+    compute stream idle between the previous step's last operation and this step's first, i.e. the device
+    waiting for the host to launch. Called once the step's copies are done (so `end` has completed)."""
+    timer.add("dev.step", start.elapsed_time(end) / 1e3)
+    if prev_end is not None:
+        gap = prev_end.elapsed_time(start) / 1e3
+        if gap < _MAX_DEVICE_GAP_S:
+            timer.add("dev.gap", max(gap, 0.0))
 
 
 def _build_lists(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,

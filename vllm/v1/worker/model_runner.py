@@ -266,6 +266,7 @@ class ModelRunner:
             if timer is not None:
                 timer.add("launch.prep", time.perf_counter() - t0)
             return AsyncModelRunnerOutput.ready(EMPTY_MODEL_RUNNER_OUTPUT)
+        self.output_copier.step_started()
         num_reqs = len(so.num_scheduled_tokens)
         pad_to = None
         if so.total_num_scheduled_tokens == num_reqs and (self.use_cuda_graph or self.pad_eager_decode):
