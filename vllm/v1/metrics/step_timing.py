@@ -64,7 +64,9 @@ class StepTimer:
         """One line: steps/s, rows per step and ms per step of each phase since the last report; then resets."""
         now = time.perf_counter()
         elapsed, steps = now - self.since, max(self.steps, 1)
-        parts = " ".join(f"{p} {1e3 * self.totals[p] / steps:.2f}" for p in PHASES)
+        # NOTE: the device phases only where they are measured (CUDA), not as zeros.
+        parts = " ".join(f"{p} {1e3 * self.totals[p] / steps:.2f}" for p in PHASES
+                         if not p.startswith("dev.") or p in self.totals)
         # NOTE: "a.b" phases are other threads' (out.*) or parts of a phase (launch.*).
         busy = sum(self.totals[p] for p in PHASES if "." not in p and p != "wait")
         events = "".join(f", {e} {n}" for e, n in sorted(self.events.items()))
