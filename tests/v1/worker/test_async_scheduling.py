@@ -181,3 +181,26 @@ def test_launch_ahead_keeps_two_steps_in_flight_while_outputs_are_processed(monk
             assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
             assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
                 [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]
+
+
+def test_stop_strings_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop string found by the frontend aborts its request while two more steps are in flight (launch-ahead):
+    texts, tokens and finish reasons equal the synchronous engine's, and every block comes back."""
+    seeded = [SamplingParams(temperature=0.8, top_k=20, seed=30 + i, max_tokens=16, ignore_eos=True)
+              for i in range(4)]
+    llms = {}
+    for ahead in (None, True):  # None: synchronous steps, the reference
+        monkeypatch.setenv("VLLM_ENGINE_LAUNCH_AHEAD", "1" if ahead else "0")
+        llms[ahead] = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=ahead is not None)
+    free = llms[None].generate(PROMPTS[:4], seeded, use_tqdm=False)
+    # Stop strings taken from the middle of each free text, so that each request stops early.
+    stops = [o.outputs[0].text[len(o.outputs[0].text) // 2:][:3] for o in free]
+    assert all(stops)
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=30 + i, max_tokens=16, ignore_eos=True,
+                             stop=[stops[i]]) for i in range(4)]
+    results = {ahead: llm.generate(PROMPTS[:4], params, use_tqdm=False) for ahead, llm in llms.items()}
+    assert _summary(results[True]) == _summary(results[None])
+    assert all(o.outputs[0].finish_reason == "stop" for o in results[True])
+    core = _engine_core(llms[True])
+    assert core.launches_ahead and not core.has_unfinished_requests() and not core.batch_queue
+    assert core.scheduler.kv_cache_manager.usage == 0
