@@ -204,3 +204,34 @@ def test_stop_strings_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) -> None
     core = _engine_core(llms[True])
     assert core.launches_ahead and not core.has_unfinished_requests() and not core.batch_queue
     assert core.scheduler.kv_cache_manager.usage == 0
+
+
+def test_deferred_mask_lists_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_ENGINE_DEFER_MASK_LISTS=1 with launch-ahead: the masks are built when the frontend takes the step's
+    outputs (after the next launch), and tokens, masks, logprobs and the stats' mask sizes (over the whole run)
+    equal the synchronous engine's."""
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=50 + i, max_tokens=8, logprobs=1,
+                             ignore_eos=True) for i in range(5)]
+    results, sizes = {}, {}
+    for deferred in (False, True):  # False: synchronous steps, the reference
+        monkeypatch.setenv("VLLM_ENGINE_LAUNCH_AHEAD", "1" if deferred else "0")
+        monkeypatch.setenv("VLLM_ENGINE_DEFER_MASK_LISTS", "1" if deferred else "0")
+        llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=deferred,
+                  return_sampling_mask=True, logprobs_mode="processed_logprobs")
+        client = llm.llm_engine.engine_core
+        seen: list[int] = []
+        get_output = client.get_output
+        client.get_output = lambda g=get_output, s=seen: (lambda o: (s.extend(
+            o.scheduler_stats.sampling_mask_sizes if o.scheduler_stats else []), o)[1])(g())
+        results[deferred] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
+        sizes[deferred] = sorted(seen)
+        core = _engine_core(llm)
+        assert core.worker.model_runner.output_copier.defer_mask_lists is deferred
+        assert (core.step_timer.totals["send.masks"] > 0) is deferred
+    assert len(sizes[True]) == 5 * 8 and sizes[True] == sizes[False]
+    for a, b in zip(results[False], results[True]):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids and len(cb.token_ids) == 8
+        assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
+        assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
+            [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]
