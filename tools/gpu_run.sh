@@ -4,7 +4,8 @@
 # PACK=1 they are packed into $OUT/all.tgz instead (the device tool returns only a few files, and no deep folders).
 #   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
 # Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians); stage `diagnose` the next
-# experiments on the mask arm's step (host or device, launch-ahead); stage `contention` the CPU-contention ones.
+# experiments on the mask arm's step (host or device, launch-ahead, deferred mask lists), `ahead_offline` the
+# offline launch-ahead A/B; stage `contention` the CPU-contention ones.
 # Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) while the stages run.
 set -uo pipefail
@@ -55,15 +56,16 @@ for s in $stages; do
     ab) VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/ab" ${AB_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ab.txt" ;;
     diagnose)  # is the mask arm's 1024-stream step the host's or the device's (docs/benchmarks.md, "What is still
       # open"): the device step with the JSON kernels in the sampler graph; then no mask / mask / mask with
-      # launch-ahead at 512 and 1024 streams, clients counting masks from raw JSON, two rounds, with the step
-      # timing's device phases (dev.step, dev.gap); then offline no-mask throughput without and with launch-ahead
-      # (~9 min)
+      # launch-ahead / that with the mask lists deferred past the launch, at 512 and 1024 streams, clients
+      # counting masks from raw JSON, two rounds, with the step timing's device phases (dev.step, dev.gap) (~9 min)
       python3 tools/gpu_kernel_profile.py --rows 1024 --steps 20 --mask-text --out "$OUT" 2>&1 \
         | grep -v -e Warning -e USDT | tee "$OUT/kernel_profile_mask_text.txt"
       VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/diagnose" \
-        --arms no-mask mask mask+VLLM_ENGINE_LAUNCH_AHEAD=1 --rounds 2 --concurrencies 512 1024 --mask-check count \
-        --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 330 2>&1 \
-        | grep --line-buffered -v Warning | tee "$OUT/diagnose.txt"
+        --arms no-mask mask mask+VLLM_ENGINE_LAUNCH_AHEAD=1 \
+        mask+VLLM_ENGINE_LAUNCH_AHEAD=1+VLLM_ENGINE_DEFER_MASK_LISTS=1 --rounds 2 --concurrencies 512 1024 \
+        --mask-check count --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 440 2>&1 \
+        | grep --line-buffered -v Warning | tee "$OUT/diagnose.txt" ;;
+    ahead_offline)  # offline no-mask throughput at 512 requests without and with launch-ahead, ABBA (~3 min)
       for a in 0 1 1 0; do
         VLLM_ENGINE_LAUNCH_AHEAD=$a python3 benchmarks/benchmark_throughput.py \
           --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \

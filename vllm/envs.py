@@ -63,6 +63,10 @@ _VARS = {
     # Performance work only: the engine core schedules and launches the step after next before it sends (or, in
     # process, hands on) the outputs of the step just finished (EngineCore.launch_ahead).
     "VLLM_ENGINE_LAUNCH_AHEAD": lambda: _bool("VLLM_ENGINE_LAUNCH_AHEAD", False),
+    # Performance work only: a step's sampling-mask lists are built by the engine core's main thread when the step's
+    # outputs are sent (after the next launch with VLLM_ENGINE_LAUNCH_AHEAD), not by the output thread before the
+    # step's update (vllm/v1/worker/async_output.py: DeferredMasks).
+    "VLLM_ENGINE_DEFER_MASK_LISTS": lambda: _bool("VLLM_ENGINE_DEFER_MASK_LISTS", False),
     # Performance work only: the CUDA events the engine's threads wait on sleep instead of spinning
     # (vllm/v1/cuda_events.py).
     "VLLM_OUTPUT_BLOCKING_SYNC": lambda: _bool("VLLM_OUTPUT_BLOCKING_SYNC", False),

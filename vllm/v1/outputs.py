@@ -8,7 +8,7 @@ req_idx). A request that sampled nothing in the step (a chunked-prefill piece) h
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -212,6 +212,34 @@ class StepMasks(NamedTuple):
                     texts.text, texts.offsets, None, int(texts.packed_rows(first)), num))
 
 
+def step_mask_stats(step_masks: StepMasks, top_k: np.ndarray) -> tuple[list[int], int]:
+    """The sizes of the carried positions' masks, and how many exceed their request's top_k (top_k: [len(out_index)]
+    int64, one per carried output; <= 0: no top-k)."""
+    sizes = step_masks.sizes()
+    top_k = np.repeat(top_k, step_masks.num_pos)
+    return sizes.tolist(), int(((top_k > 0) & (sizes > top_k)).sum())
+
+
+class PendingStepMasks(NamedTuple):
+    """A step's StepMasks whose lists are not built yet (VLLM_ENGINE_DEFER_MASK_LISTS): the positions each output
+    carries are known at the step's update, the lists are built by `resolve()` on the engine's main thread once
+    the step after next has been launched (EngineCoreOutputs.resolve_step_rows)."""
+
+    # The runner's deferred masks (vllm/v1/worker/async_output.py: DeferredMasks): `build()` -> (lists, texts).
+    masks: Any
+    out_index: np.ndarray
+    first_pos: np.ndarray
+    num_pos: np.ndarray
+    # [len(out_index)] int64: each carried output's request top_k.
+    top_k: np.ndarray
+
+    def resolve(self) -> tuple[StepMasks, list[int], int]:
+        """The StepMasks, the carried positions' mask sizes and the count of those past their top_k."""
+        lists, texts = self.masks.build()
+        step_masks = StepMasks(lists, texts, self.out_index, self.first_pos, self.num_pos)
+        return (step_masks, *step_mask_stats(step_masks, self.top_k))
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     # [num_reqs]
@@ -223,6 +251,9 @@ class ModelRunnerOutput:
     sampling_masks: SamplingMaskLists | None = None
     # The same supports as JSON text, when the API server asked for it (ModelConfig.sampling_mask_text).
     sampling_mask_text: SamplingMaskText | None = None
+    # VLLM_ENGINE_DEFER_MASK_LISTS: the masks not yet built into sampling_masks / sampling_mask_text (both None
+    # then), an object with `build()` -> (lists, texts) and `release()` (async_output.DeferredMasks).
+    pending_masks: Any = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -122,3 +122,64 @@ def test_no_masks_or_logprobs_when_runner_has_none(make_scheduler: Callable[...,
     assert o.new_token_ids == [4] and o.new_logprobs is None and o.new_sampling_mask is None
     assert outs.scheduler_stats.sampling_mask_sizes == []
     assert 0.0 < outs.scheduler_stats.kv_cache_usage < 1.0
+
+
+class FakeDeferredMasks:
+    """The runner's deferred masks (async_output.DeferredMasks): built or released once."""
+
+    def __init__(self, masks: SamplingMaskLists) -> None:
+        self.masks, self.calls = masks, []
+
+    def build(self) -> tuple[SamplingMaskLists, None]:
+        self.calls.append("build")
+        return self.masks, None
+
+    def release(self) -> None:
+        self.calls.append("release")
+
+
+def test_deferred_masks_resolve_to_the_same_rows_and_stats(make_scheduler: Callable[..., Scheduler],
+                                                           request_factory: Callable[..., Request]) -> None:
+    """VLLM_ENGINE_DEFER_MASK_LISTS: the update leaves a PendingStepMasks and no mask sizes; resolve_step_rows
+    builds the lists once and gives the rows and stats an undeferred update gives."""
+    from vllm.v1.outputs import PendingStepMasks
+    results = {}
+    for deferred in (False, True):
+        sched = make_scheduler()
+        for rid in "abc":
+            sched.add_request(request_factory(rid, 4, top_k=3))
+        sched.add_request(request_factory("e", 4, top_k=3, return_sampling_mask=False))
+        out = sched.schedule()
+        req_ids = ["c", "a", "e", "b"]
+        rows = {"c": [1, 7, 9], "a": [0, 5], "e": [11, 12], "b": [2, 3, 6, 8]}  # b: a top-k tie, 4 > 3
+        offsets = np.cumsum([0] + [len(rows[r]) for r in req_ids]).astype(np.int64)
+        masks = SamplingMaskLists(np.array([t for r in req_ids for t in rows[r]], dtype=np.int32), offsets, None)
+        fake = FakeDeferredMasks(masks)
+        runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                          sampled_token_ids=[[rows[r][-1]] for r in req_ids],
+                                          sampling_masks=None if deferred else masks,
+                                          pending_masks=fake if deferred else None)
+        outs = sched.update_from_output(out, runner_output)
+        if deferred:
+            assert isinstance(outs.step_masks, PendingStepMasks) and fake.calls == []
+            assert outs.scheduler_stats.sampling_mask_sizes == []
+        outs.resolve_step_rows()
+        assert fake.calls == (["build"] if deferred else [])
+        stats = outs.scheduler_stats
+        results[deferred] = (stats.sampling_mask_sizes, stats.num_sampling_mask_overflow_rows)
+        outs.materialize_step_rows()
+        assert {o.request_id: None if o.new_sampling_mask is None else o.new_sampling_mask.token_ids.tolist()
+                for o in outs.outputs} == {"a": rows["a"], "b": rows["b"], "c": rows["c"], "e": None}
+    assert results[True] == results[False] == ([2, 4, 3], 1)
+
+
+def test_deferred_masks_no_output_carries_are_released(make_scheduler: Callable[..., Scheduler],
+                                                       request_factory: Callable[..., Request]) -> None:
+    sched = make_scheduler()
+    sched.add_request(request_factory("e", 4, top_k=3, return_sampling_mask=False))
+    out = sched.schedule()
+    fake = FakeDeferredMasks(SamplingMaskLists(np.array([4, 5], dtype=np.int32), np.array([0, 2]), None))
+    outs = sched.update_from_output(out, ModelRunnerOutput(["e"], {"e": 0}, [[5]], pending_masks=fake))
+    assert fake.calls == ["release"] and outs.step_masks is None
+    outs.resolve_step_rows()
+    assert fake.calls == ["release"] and outs.scheduler_stats.sampling_mask_sizes == []

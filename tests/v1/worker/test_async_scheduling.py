@@ -191,3 +191,57 @@ def test_launch_ahead_keeps_two_steps_in_flight_while_outputs_are_processed(monk
             assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
             assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
                 [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]
+
+
+def test_stop_strings_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop string found by the frontend aborts its request while two more steps are in flight (launch-ahead):
+    texts, tokens and finish reasons equal the synchronous engine's, and every block comes back."""
+    seeded = [SamplingParams(temperature=0.8, top_k=20, seed=30 + i, max_tokens=16, ignore_eos=True)
+              for i in range(4)]
+    llms = {}
+    for ahead in (None, True):  # None: synchronous steps, the reference
+        monkeypatch.setenv("VLLM_ENGINE_LAUNCH_AHEAD", "1" if ahead else "0")
+        llms[ahead] = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=ahead is not None)
+    free = llms[None].generate(PROMPTS[:4], seeded, use_tqdm=False)
+    # Stop strings taken from the middle of each free text, so that each request stops early.
+    stops = [o.outputs[0].text[len(o.outputs[0].text) // 2:][:3] for o in free]
+    assert all(stops)
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=30 + i, max_tokens=16, ignore_eos=True,
+                             stop=[stops[i]]) for i in range(4)]
+    results = {ahead: llm.generate(PROMPTS[:4], params, use_tqdm=False) for ahead, llm in llms.items()}
+    assert _summary(results[True]) == _summary(results[None])
+    assert all(o.outputs[0].finish_reason == "stop" for o in results[True])
+    core = _engine_core(llms[True])
+    assert core.launches_ahead and not core.has_unfinished_requests() and not core.batch_queue
+    assert core.scheduler.kv_cache_manager.usage == 0
+
+
+def test_deferred_mask_lists_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_ENGINE_DEFER_MASK_LISTS=1 with launch-ahead: the masks are built when the frontend takes the step's
+    outputs (after the next launch), and tokens, masks, logprobs and the stats' mask sizes (over the whole run)
+    equal the synchronous engine's."""
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=50 + i, max_tokens=8, logprobs=1,
+                             ignore_eos=True) for i in range(5)]
+    results, sizes = {}, {}
+    for deferred in (False, True):  # False: synchronous steps, the reference
+        monkeypatch.setenv("VLLM_ENGINE_LAUNCH_AHEAD", "1" if deferred else "0")
+        monkeypatch.setenv("VLLM_ENGINE_DEFER_MASK_LISTS", "1" if deferred else "0")
+        llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=deferred,
+                  return_sampling_mask=True, logprobs_mode="processed_logprobs")
+        client = llm.llm_engine.engine_core
+        seen: list[int] = []
+        get_output = client.get_output
+        client.get_output = lambda g=get_output, s=seen: (lambda o: (s.extend(
+            o.scheduler_stats.sampling_mask_sizes if o.scheduler_stats else []), o)[1])(g())
+        results[deferred] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
+        sizes[deferred] = sorted(seen)
+        core = _engine_core(llm)
+        assert core.worker.model_runner.output_copier.defer_mask_lists is deferred
+        assert (core.step_timer.totals["send.masks"] > 0) is deferred
+    assert len(sizes[True]) == 5 * 8 and sizes[True] == sizes[False]
+    for a, b in zip(results[False], results[True]):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids and len(cb.token_ids) == 8
+        assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
+        assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
+            [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]

@@ -44,6 +44,8 @@ def test_no_device_timing_on_cpu() -> None:
     out = copier.submit(["a"], np.array([True]), torch.tensor([5]), None, None, lambda _: None).get_output()
     assert out.sampled_token_ids == [[5]]
     assert "dev.step" not in copier.timer.totals and "dev.gap" not in copier.timer.totals
+    copier.timer.count_step(1)
+    assert "dev." not in copier.timer.report()  # not reported as zeros
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

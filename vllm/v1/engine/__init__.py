@@ -77,8 +77,21 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     step_logprobs: Any = None
     step_masks: Any = None
 
+    def resolve_step_rows(self) -> None:
+        """Build deferred sampling masks now (a PendingStepMasks in step_masks, VLLM_ENGINE_DEFER_MASK_LISTS) and
+        fill in the step's mask statistics; a no-op otherwise. The engine core calls it after launching the next
+        steps and before it sends or hands on these outputs."""
+        resolve = getattr(self.step_masks, "resolve", None)
+        if resolve is None:
+            return
+        self.step_masks, sizes, num_overflow = resolve()
+        if self.scheduler_stats is not None:
+            self.scheduler_stats.sampling_mask_sizes = sizes
+            self.scheduler_stats.num_sampling_mask_overflow_rows = num_overflow
+
     def materialize_step_rows(self) -> None:
         """Move step_logprobs / step_masks into the outputs' own fields (for consumers in the same process)."""
+        self.resolve_step_rows()
         for rows in (self.step_logprobs, self.step_masks):
             if rows is not None:
                 rows.materialize(self.outputs)

@@ -16,7 +16,9 @@ Invariants:
 Launching ahead (`launch_ahead()`, VLLM_ENGINE_LAUNCH_AHEAD=1): the caller refills the queue right after `step()`
 returned step N's outputs, before it sends or processes them; the queue order is unchanged (step N+2 is still
 scheduled after step N's update), only the host work on step N's outputs moves from before the launch of step
-N+2 to after it, off the path that keeps the device fed.
+N+2 to after it, off the path that keeps the device fed. With VLLM_ENGINE_DEFER_MASK_LISTS the step's
+sampling-mask lists move there too: `step()` then returns them pending (a PendingStepMasks), and the caller
+builds them with `EngineCoreOutputs.resolve_step_rows()` before it hands the outputs on.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class EngineCore:
         if copier is not None:
             copier.timer = self.step_timer
             copier.device_timing = envs.VLLM_ENGINE_STEP_TIMING
+            copier.defer_mask_lists = envs.VLLM_ENGINE_DEFER_MASK_LISTS
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:

@@ -214,6 +214,7 @@ class EngineCoreProc:
                 self.launch_ahead()
             if outputs is not None:
                 t2, c2 = time.perf_counter(), time.thread_time()
+                outputs.resolve_step_rows()  # deferred mask lists (VLLM_ENGINE_DEFER_MASK_LISTS) built now
                 self.send_outputs(outputs)
                 # NOTE: not kept through the next step: its masks may be views of a lending staging slot
                 # (vllm/v1/worker/async_output.py) that the next step could otherwise take.

@@ -9,7 +9,8 @@ oldest step's output: device time and the output thread not hidden behind host w
 (forward and sampler: graph replays or eager launches), `launch.out` (the outputs' device-to-host copies queued,
 the list building handed to the output thread; synchronous scheduling: the wait for the device and the lists
 too), of which `launch.mask` is the sampling mask's share; `mask.copied` counts the steps whose masks found no
-free lending staging slot and were copied out on the host (vllm/v1/worker/async_output.py). On CUDA, with
+free lending staging slot and were copied out on the host (vllm/v1/worker/async_output.py); `send.masks` is
+the part of `send` that builds deferred mask lists (VLLM_ENGINE_DEFER_MASK_LISTS). On CUDA, with
 the variable set, timing events around each step's device work add `dev.step` (its device time, first operation
 to last, compute stream) and `dev.gap` (the compute stream idle before it, waiting for the host's launch; gaps
 of a second or more, an idle engine, are left out): a step whose `dev.gap` is ~0 is the device's, one with a
@@ -26,7 +27,7 @@ import time
 from collections import defaultdict
 
 PHASES = ("inputs", "schedule", "launch", "launch.prep", "launch.model", "launch.out", "launch.mask", "wait",
-          "update", "send", "out.event", "out.lists", "dev.step", "dev.gap")
+          "update", "send", "send.masks", "out.event", "out.lists", "dev.step", "dev.gap")
 
 
 class StepTimer:
@@ -64,7 +65,9 @@ class StepTimer:
         """One line: steps/s, rows per step and ms per step of each phase since the last report; then resets."""
         now = time.perf_counter()
         elapsed, steps = now - self.since, max(self.steps, 1)
-        parts = " ".join(f"{p} {1e3 * self.totals[p] / steps:.2f}" for p in PHASES)
+        # NOTE: the device phases only where they are measured (CUDA), not as zeros.
+        parts = " ".join(f"{p} {1e3 * self.totals[p] / steps:.2f}" for p in PHASES
+                         if not p.startswith("dev.") or p in self.totals)
         # NOTE: "a.b" phases are other threads' (out.*) or parts of a phase (launch.*).
         busy = sum(self.totals[p] for p in PHASES if "." not in p and p != "wait")
         events = "".join(f", {e} {n}" for e, n in sorted(self.events.items()))

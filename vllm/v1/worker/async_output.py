@@ -14,6 +14,10 @@ Invariants:
   view is left (HostStagingSlot.in_use). In serving the views live until the engine core's ZMQ frames are
   sent, so a few slots go round; a consumer that keeps its outputs keeps its slots, and when all
   _MAX_LENDING_SLOTS are kept the masks go to the step's alternating slot and are copied out as above.
+- With `defer_mask_lists` (VLLM_ENGINE_DEFER_MASK_LISTS) a lending slot's masks are not turned into lists by
+  the output thread: the output carries them as DeferredMasks, built by the engine core when it sends the step
+  (after launching the next ones); the slot stays pending until then. The output thread still waits for their
+  copies, and builds at once a step whose rows overflow K (their bitmask rows are read from the device).
 - The device tensors stay referenced until `get_output()` returned, so the allocator cannot reuse their memory
   before the side-stream copies read it.
 - On CPU there are no streams: the lists are built from the tensors themselves, in the thread when asked.
@@ -32,6 +36,7 @@ import torch
 from vllm.v1.cuda_events import host_event
 from vllm.v1.host_staging import HostStagingSlot
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
+from vllm.v1.sample.sampling_mask import SamplingMaskCopy
 
 # Lending staging slots for the sampling masks (module docstring); ~8 MB of pinned memory each at 1024 rows.
 _MAX_LENDING_SLOTS = 6
@@ -42,11 +47,12 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, future: Future[tuple[ModelRunnerOutput, np.ndarray]] | None,
                  output: ModelRunnerOutput | None = None, on_ready: Callable[[np.ndarray], None] | None = None,
-                 keep_alive: Any = None) -> None:
+                 keep_alive: Any = None, pending_masks: DeferredMasks | None = None) -> None:
         self._future = future
         self._output = output
         self._on_ready = on_ready
         self._keep_alive = keep_alive
+        self._pending_masks = pending_masks
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
@@ -56,8 +62,9 @@ class AsyncModelRunnerOutput:
         if self._output is None:
             assert self._future is not None
             self._output, sampled = self._future.result()
+            self._output.pending_masks = self._pending_masks
             self._future = None
-            self._keep_alive = None
+            self._keep_alive = self._pending_masks = None
             if self._on_ready is not None:
                 self._on_ready(sampled)
                 self._on_ready = None
@@ -80,6 +87,10 @@ class AsyncOutputCopier:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-output") if use_thread else None
         # The engine core's StepTimer (vllm/v1/metrics/step_timing.py), when it has one.
         self.timer: Any = None
+        # VLLM_ENGINE_DEFER_MASK_LISTS: a step's mask lists are built on the engine's main thread when its outputs
+        # are sent (DeferredMasks), not by the output thread before the step's update; only for masks in a lending
+        # slot (or on CPU), whose memory no later step takes while they are pending.
+        self.defer_mask_lists = False
         # VLLM_ENGINE_STEP_TIMING on CUDA: each step's device time and the compute stream's idle time before it,
         # from timing events around the step's device work (`step_started` to `submit`), into the timer.
         self.device_timing = False
@@ -135,14 +146,22 @@ class AsyncOutputCopier:
                 self.timer.add("launch.mask", time.perf_counter() - t0)
                 if lent is None and slot is not None:
                     self.timer.count("mask.copied")
-        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent, device_events)  # lists built from
+        deferred = None
+        # NOTE: not the pre-change path's copies (LegacySamplingMaskCopy): a benchmark arm, left as it was.
+        if isinstance(mask_copy, SamplingMaskCopy) and self.defer_mask_lists and (lent is not None or slot is None):
+            # NOTE: the output thread still waits for the mask's copies (a later step's sampler graph rewrites the
+            # device buffers they read once the engine has this output), but leaves the lists and the slot.
+            deferred, lent = DeferredMasks(mask_copy, lent, self.timer), None
+        # What the lists are built from.
+        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent, device_events, deferred)
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
             output, sampled_np = _build_output(event, *args, self.timer)
+            output.pending_masks = deferred
             on_ready(sampled_np)
             return AsyncModelRunnerOutput.ready(output)
         future = self._executor.submit(_build_output, event, *args, self.timer)
-        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
+        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive, deferred)
 
     def _lending_slot(self) -> HostStagingSlot | None:
         """A lending slot that no step uses and no output views (a new one while there are fewer than
@@ -160,15 +179,64 @@ class AsyncOutputCopier:
             self._executor.shutdown(wait=True)
 
 
+class DeferredMasks:
+    """A step's sampling masks left in their host staging memory (AsyncOutputCopier.defer_mask_lists): `build()`
+    turns them into lists (SamplingMaskLists, SamplingMaskText or None) on the caller's thread, `release()`
+    gives up on them; either one, once, frees the lending slot for reuse by later steps (until then it is
+    pending, so no step copies into it)."""
+
+    def __init__(self, copy: Any, lent: HostStagingSlot | None, timer: Any) -> None:
+        self.copy, self.lent, self.timer = copy, lent, timer
+        # Built or released: the slot is no longer pending.
+        self.done = False
+        # The lists when the output thread had to build them anyway (`build_now_if_overflow`).
+        self._built: tuple[SamplingMaskLists, Any] | None = None
+
+    def build_now_if_overflow(self) -> None:
+        """The output thread's part, once the copies are done: a step with rows past K gathers those rows from the
+        device bitmask, which a later step's sampler graph rewrites once the engine has this output, so its lists
+        are built now rather than deferred."""
+        counts = self.copy.tensors.counts.numpy()
+        if bool((counts > self.copy.tensors.token_ids.shape[1]).any()):
+            lists = self.copy.tolists()
+            self._built = lists, self.copy.text_lists(lists)
+
+    def build(self) -> tuple[SamplingMaskLists, Any]:
+        assert not self.done, "deferred masks are built once"
+        t0 = time.perf_counter()
+        try:
+            if self._built is not None:
+                return self._built
+            lists = self.copy.tolists()
+            return lists, self.copy.text_lists(lists)
+        finally:
+            self.release()
+            if self.timer is not None:
+                self.timer.add("send.masks", time.perf_counter() - t0)
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            if self.lent is not None:
+                # NOTE: wait for the copies first: the slot must not be taken while they still write into it.
+                self.copy.wait()
+                self.lent.pending = False
+
+
 def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
                   logprobs: Any, mask_copy: Any, lent: HostStagingSlot | None, device_events: Any = None,
-                  timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
-    """The output thread's job (or the caller's without one): wait for the copies, then build the lists."""
+                  deferred: DeferredMasks | None = None, timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
+    """The output thread's job (or the caller's without one): wait for the copies, then build the lists (the
+    masks' only when they are not `deferred`)."""
     try:
-        output = _build_lists(event, req_ids, samples, sampled, logprobs, mask_copy, timer)
+        output = _build_lists(event, req_ids, samples, sampled, logprobs, mask_copy, deferred, timer)
         if device_events is not None and timer is not None:
             _add_device_times(timer, *device_events)
         return output
+    except BaseException:
+        if deferred is not None:
+            deferred.release()  # nobody gets this output, so nobody would
+        raise
     finally:
         if lent is not None:
             lent.pending = False  # from now on the views of its masks (if any) keep it in use
@@ -191,7 +259,8 @@ def _add_device_times(timer: Any, prev_end: torch.cuda.Event | None, start: torc
 
 
 def _build_lists(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
-                 logprobs: Any, mask_copy: Any, timer: Any) -> tuple[ModelRunnerOutput, np.ndarray]:
+                 logprobs: Any, mask_copy: Any, deferred: DeferredMasks | None, timer: Any
+                 ) -> tuple[ModelRunnerOutput, np.ndarray]:
     t0 = time.perf_counter()
     if event is not None:
         event.synchronize()
@@ -207,7 +276,9 @@ def _build_lists(event: torch.cuda.Event | None, req_ids: list[str], samples: np
         logprobs_lists = LogprobsLists(*(np.array(a) for a in lists[:3]), lists.cu_num_generated_tokens)
     masks: SamplingMaskLists | None = None
     text = None
-    if mask_copy is not None:
+    if deferred is not None:
+        deferred.build_now_if_overflow()
+    elif mask_copy is not None:
         masks = mask_copy.tolists()
         text = mask_copy.text_lists(masks)
     output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},

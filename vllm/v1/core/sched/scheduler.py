@@ -33,7 +33,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.utils import append_sampled
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from vllm.v1.outputs import ModelRunnerOutput, StepLogprobs, StepMasks
+from vllm.v1.outputs import ModelRunnerOutput, PendingStepMasks, StepLogprobs, StepMasks, step_mask_stats
 from vllm.v1.request import Request, RequestStatus
 
 # NOTE: module constants because an enum member looked up on its class costs ~60 ns, in loops over requests.
@@ -262,12 +262,13 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         logprobs = model_runner_output.logprobs
         sampling_masks = model_runner_output.sampling_masks
+        pending_masks = model_runner_output.pending_masks
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         # NOTE: no per-request slices of logprobs or masks: the rows stay in the step's arrays (StepLogprobs,
         # StepMasks). The loop records per output only its runner row, its token count and its request; which
         # outputs carry logprobs or masks is sorted out with numpy after it (_step_rows).
-        track_rows = logprobs is not None or sampling_masks is not None
+        track_rows = logprobs is not None or sampling_masks is not None or pending_masks is not None
         out_rows: list[int] = []
         out_nums: list[int] = []
         out_reqs: list[Request] = []
@@ -339,6 +340,8 @@ class Scheduler:
         if out_rows:
             step_logprobs, step_masks, mask_sizes, num_overflow_rows = self._step_rows(
                 model_runner_output, out_rows, out_nums, out_reqs)
+        if pending_masks is not None and step_masks is None:
+            pending_masks.release()  # no output carries them: nothing will build them
         aborted = self._aborted_req_ids or None
         self._aborted_req_ids = set()
         return EngineCoreOutputs(
@@ -351,16 +354,19 @@ class Scheduler:
 
     @staticmethod
     def _step_rows(model_runner_output: ModelRunnerOutput, out_rows: list[int], out_nums: list[int],
-                   out_reqs: list[Request]) -> tuple[StepLogprobs | None, StepMasks | None, list[int], int]:
+                   out_reqs: list[Request]
+                   ) -> tuple[StepLogprobs | None, StepMasks | PendingStepMasks | None, list[int], int]:
         """The step's logprobs and masks with the positions each output carries, the mask sizes of the carried
         positions and how many of them overflow their request's top_k.
 
         Output r (in output order) got `out_nums[r]` tokens from runner row `out_rows[r]`, for request
         `out_reqs[r]`; it carries logprobs when the step has them and its request wants them, and masks
-        likewise. Its first position is `cu_num_generated_tokens[row]` (the row itself without it).
+        likewise. Its first position is `cu_num_generated_tokens[row]` (the row itself without it). Deferred masks
+        (`pending_masks`, one position per row) give a PendingStepMasks and no sizes yet (its `resolve()` does).
         """
         logprobs = model_runner_output.logprobs
         sampling_masks = model_runner_output.sampling_masks
+        pending_masks = model_runner_output.pending_masks
         rows = np.array(out_rows, dtype=np.int64)
         nums = np.array(out_nums, dtype=np.int64)
         step_logprobs = step_masks = None
@@ -373,18 +379,18 @@ class Scheduler:
                                              nums[out_index])
         mask_sizes: list[int] = []
         num_overflow_rows = 0
-        if sampling_masks is not None:
+        if sampling_masks is not None or pending_masks is not None:
             out_index = np.flatnonzero(np.array([r.wants_sampling_mask for r in out_reqs], dtype=bool))
             out_index = out_index.astype(np.int64, copy=False)
             if len(out_index):
-                step_masks = StepMasks(sampling_masks, model_runner_output.sampling_mask_text, out_index,
-                                       _first_positions(sampling_masks.cu_num_generated_tokens, rows[out_index]),
-                                       nums[out_index])
-                sizes = step_masks.sizes()
                 top_k = np.array([out_reqs[r].sampling_params.top_k for r in out_index.tolist()], dtype=np.int64)
-                top_k = np.repeat(top_k, step_masks.num_pos)
-                num_overflow_rows = int(((top_k > 0) & (sizes > top_k)).sum())
-                mask_sizes = sizes.tolist()
+                if sampling_masks is None:
+                    step_masks = PendingStepMasks(pending_masks, out_index, rows[out_index], nums[out_index], top_k)
+                else:
+                    step_masks = StepMasks(sampling_masks, model_runner_output.sampling_mask_text, out_index,
+                                           _first_positions(sampling_masks.cu_num_generated_tokens,
+                                                            rows[out_index]), nums[out_index])
+                    mask_sizes, num_overflow_rows = step_mask_stats(step_masks, top_k)
         return step_logprobs, step_masks, mask_sizes, num_overflow_rows
 
     def make_stats(self, sampling_mask_sizes: list[int] | None = None,

@@ -1,0 +1,216 @@
+"""The sampling-mask A/B's reporting (benchmarks/ab_sampling_mask.py runs the arms): the engine core's
+step-timing windows and the GC pause windows read from each server's log, the arms of several rounds combined
+into per-level medians, the markdown table and the throughput plot.
+
+Reads only the result dicts that ab_sampling_mask.run_arm returns (an arm: name, error, levels as
+serving_metrics.summarize's, step_timing and gc windows) and the server logs; starts nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from typing import Any
+
+import serving_metrics
+
+
+_TIMING_RE = re.compile(r"Engine step timing: ([\d.]+) steps/s, (\d+) rows/step, ms/step: (.*?); host busy (\d+)%")
+
+
+def parse_step_timing(log_path: str) -> list[dict[str, float]]:
+    """The engine core's step-timing windows from a server log (VLLM_ENGINE_STEP_TIMING=1; none without it):
+    steps/s, rows/step, host busy % and ms per step of each phase."""
+    windows = []
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                m = _TIMING_RE.search(line)
+                if m is None:
+                    continue
+                window = {"steps_per_s": float(m.group(1)), "rows": float(m.group(2)),
+                          "host_busy_pct": float(m.group(4))}
+                parts = m.group(3).split()
+                window.update({name: float(value) for name, value in zip(parts[::2], parts[1::2])})
+                windows.append(window)
+    except OSError:
+        pass
+    return windows
+
+
+_GC_RE = re.compile(r"(API server \d+|Engine core) GC: .*?; paused ([\d.]+)% of ([\d.]+) s, longest ([\d.]+) ms")
+
+
+def parse_gc_pauses(log_path: str) -> list[dict[str, Any]]:
+    """The garbage-collection windows that the API servers and the engine core log with
+    VLLM_ENGINE_STEP_TIMING=1 (vllm/v1/metrics/gc_timing.py): who, % of the window paused, the window's length
+    (s) and its longest pause (ms)."""
+    windows = []
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                m = _GC_RE.search(line)
+                if m is not None:
+                    windows.append({"who": m.group(1), "paused_pct": float(m.group(2)),
+                                    "window_s": float(m.group(3)), "longest_ms": float(m.group(4))})
+    except OSError:
+        pass
+    return windows
+
+
+def _gc_cells(windows: list[dict[str, Any]], engine: bool) -> str:
+    """'max % (longest ms)' of the API servers' or the engine core's GC windows, '-' without any."""
+    mine = [w for w in windows if (w["who"] == "Engine core") == engine]
+    if not mine:
+        return "-"
+    return f"{max(w['paused_pct'] for w in mine):.1f}% ({max(w['longest_ms'] for w in mine):.0f} ms)"
+
+
+def _busiest(arm: dict[str, Any]) -> dict[str, float] | None:
+    """The arm's step-timing window with the most rows per step (steady decode at the top concurrency)."""
+    windows = [w for w in arm.get("step_timing") or [] if w["steps_per_s"] > 0]
+    return max(windows, key=lambda w: (w["rows"], w["steps_per_s"])) if windows else None
+
+
+def _level(arm: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
+    for level in arm["levels"]:
+        if level.get("concurrency") == concurrency and "output_throughput" in level:
+            return level
+    return None
+
+
+def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None, key: str = "output_throughput") -> str:
+    if num is None or den is None or not den.get(key) or num.get(key) is None:
+        return "-"
+    return f"{num[key] / den[key]:.3f}"
+
+
+def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One result per arm (in the first round's order) from the arms' results of every round: each level's
+    output throughput, TTFT and TPOT medians are medians over the rounds that have the level (its per-round
+    throughputs kept in `round_throughputs`), truncated if any round was, masks_ok if every round's was; the
+    step-timing windows of all rounds together; an arm that failed in any round carries that round's error."""
+    if len(rounds) == 1:
+        return rounds[0]
+    combined = []
+    for first in rounds[0]:
+        runs = [next(a for a in r if a["arm"] == first["arm"]) for r in rounds]
+        levels = []
+        for level in first["levels"]:
+            c = level.get("concurrency")
+            got = [lv for lv in (_level(a, c) for a in runs) if lv is not None]
+            if not got:
+                levels.append(level)
+                continue
+            merged = dict(got[0])
+            for key in ("output_throughput", "steady_output_throughput", "ttft_ms_median", "tpot_ms_median"):
+                values = [lv[key] for lv in got if lv.get(key) is not None]
+                merged[key] = statistics.median(values) if values else None
+            merged["round_throughputs"] = [lv["output_throughput"] for lv in got]
+            merged["truncated"] = any(lv["truncated"] for lv in got)
+            merged["masks_ok"] = (None if all(lv["masks_ok"] is None for lv in got)
+                                  else all(lv["masks_ok"] in (None, True) for lv in got))
+            levels.append(merged)
+        errors = [a["error"] for a in runs if a["error"]]
+        combined.append({"arm": first["arm"], "error": errors[0] if errors else None, "levels": levels,
+                         "step_timing": [w for a in runs for w in a.get("step_timing") or []],
+                         "gc": [w for a in runs for w in a.get("gc") or []],
+                         "server_logs": [a["server_log"] for a in runs]})
+    return combined
+
+
+def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
+             rounds: list[list[dict[str, Any]]] | None = None) -> str:
+    names = [a["arm"] for a in arms]
+    by_name = {a["arm"]: a for a in arms}
+    ratio_arms = [n for n in names if n != "no-mask"] if "no-mask" in by_name else []
+    lines = ["Output tokens/s (TTFT median ms / TPOT median ms); * = cut at the level timeout", "",
+             "| concurrency | " + " | ".join(names) + " |" + "".join(f" {n} / no-mask |" for n in ratio_arms),
+             "|---:|" + "---:|" * (len(names) + len(ratio_arms))]
+    for c in concurrencies:
+        cells = []
+        for a in arms:
+            lv = _level(a, c)
+            if lv is None:
+                cells.append("failed" if a["error"] else "-")
+                continue
+            flag = "*" if lv["truncated"] else ""
+            bad = "" if lv["masks_ok"] in (None, True) else " MASKS BAD"
+            ttft = serving_metrics._fmt(lv["ttft_ms_median"], 0)
+            tpot = serving_metrics._fmt(lv["tpot_ms_median"], 1)
+            cells.append(f"{lv['output_throughput']:.0f}{flag} ({ttft} / {tpot}){bad}")
+        no_mask = _level(by_name["no-mask"], c) if ratio_arms else None
+        ratios = "".join(f" {_ratio(_level(by_name[n], c), no_mask)} |" for n in ratio_arms)
+        lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
+    if any(lv.get("steady_output_throughput") is not None for a in arms for lv in a["levels"]):
+        lines += ["", "Steady state: output tokens/s in the middle 60% of each level (its ramp-up and drain left out):",
+                  "", "| concurrency | " + " | ".join(names) + " |" + "".join(f" {n} / no-mask |" for n in ratio_arms),
+                  "|---:|" + "---:|" * (len(names) + len(ratio_arms))]
+        for c in concurrencies:
+            cells = []
+            for a in arms:
+                lv = _level(a, c)
+                value = None if lv is None else lv.get("steady_output_throughput")
+                cells.append("-" if value is None else f"{value:.0f}")
+            no_mask = _level(by_name["no-mask"], c) if ratio_arms else None
+            ratios = "".join(f" {_ratio(_level(by_name[n], c), no_mask, 'steady_output_throughput')} |"
+                             for n in ratio_arms)
+            lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
+    if rounds is not None and len(rounds) > 1 and ratio_arms:
+        lines += ["", f"Medians over {len(rounds)} rounds (arm order alternating between rounds); each round's own "
+                      "ratios:", ""]
+        for c in concurrencies:
+            per_round = []
+            for r in rounds:
+                by = {a["arm"]: a for a in r}
+                per_round.append(" ".join(_ratio(_level(by[n], c), _level(by["no-mask"], c)) for n in ratio_arms))
+            lines.append(f"- c={c}: " + ", ".join(per_round))
+    busiest = [(a["arm"], _busiest(a)) for a in arms]
+    if any(w is not None for _, w in busiest):
+        lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "
+                      "ms per step:", "",
+                  "| arm | rows | steps/s | schedule | launch | of it, mask copy | wait | update | send "
+                  "| lists (output thread) | device step | device idle | host busy |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, w in busiest:
+            if w is not None:
+                lines.append(f"| {name} | {w['rows']:.0f} | {w['steps_per_s']:.1f} | "
+                             + " | ".join(f"{w[k]:.2f}" if k in w else "-"
+                                          for k in ("schedule", "launch", "launch.mask", "wait", "update", "send",
+                                                    "out.lists", "dev.step", "dev.gap"))
+                             + f" | {w['host_busy_pct']:.0f}% |")
+    if any(a.get("gc") for a in arms):
+        lines += ["", "Garbage collection (VLLM_ENGINE_STEP_TIMING): the largest share of a log window paused, and "
+                      "the longest single pause, over the arm's windows:", "",
+                  "| arm | API servers | engine core |", "|---|---:|---:|"]
+        for a in arms:
+            windows = a.get("gc") or []
+            if windows:
+                lines.append(f"| {a['arm']} | {_gc_cells(windows, False)} | {_gc_cells(windows, True)} |")
+    for a in arms:
+        if a["error"]:
+            lines.append(f"\n{a['arm']} failed: {a['error']}")
+    return "\n".join(lines)
+
+
+def plot(arms: list[dict[str, Any]], concurrencies: list[int], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for a in arms:
+        points = [(lv["concurrency"], lv["output_throughput"]) for lv in a["levels"] if "output_throughput" in lv]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=a["arm"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,86 @@
+"""DeferredMasks (VLLM_ENGINE_DEFER_MASK_LISTS): a step's mask lists built later on the caller's thread, except
+for steps with rows past K, which the output thread builds at once (their bitmask rows are read from the device,
+whose buffers a later step rewrites); the lending slot stays pending until built or released."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.v1.sample.test_sampling_mask import build_rows, reference_supports
+from vllm.v1.host_staging import HostStagingSlot
+from vllm.v1.metrics.step_timing import StepTimer
+from vllm.v1.sample.sampling_mask import SamplingMaskTensors
+from vllm.v1.worker import async_output
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_deferred_lists_equal_the_reference(overflow: bool) -> None:
+    sizes = [3, 0, 12] + ([90] if overflow else [])
+    logits = build_rows(sizes, 1000, seed=3)
+    num_sampled = torch.ones(len(sizes), dtype=torch.int32)
+    mask = SamplingMaskTensors.from_logits(logits, num_sampled, 16)  # K = 16: the 90-id row overflows
+    copier = async_output.AsyncOutputCopier(torch.device("cpu"), use_thread=True)
+    copier.defer_mask_lists, copier.timer = True, StepTimer()
+    out = copier.submit([f"r{i}" for i in range(len(sizes))], np.ones(len(sizes), dtype=bool),
+                        torch.arange(len(sizes)), None, mask, lambda _: None).get_output()
+    copier.shutdown()
+    deferred = out.pending_masks
+    assert out.sampling_masks is None and isinstance(deferred, async_output.DeferredMasks)
+    # The output thread built an overflowing step's lists already, and only those.
+    assert (deferred._built is not None) is overflow
+    lists, text = deferred.build()
+    assert text is None
+    want = reference_supports(logits, num_sampled.numpy())
+    assert [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])] == [w.tolist() for w in want]
+    assert copier.timer.totals["send.masks"] > 0
+    with pytest.raises(AssertionError):
+        deferred.build()
+
+
+def test_lending_slot_is_pending_until_built_or_released() -> None:
+    mask = SamplingMaskTensors.from_logits(build_rows([2, 5], 200, seed=1), None, 8)
+    for finish in ("build", "release"):
+        slot = HostStagingSlot(pin=False, lends=True)
+        slot.pending = True
+        deferred = async_output.DeferredMasks(mask.to_cpu_nonblocking(), slot, None)
+        deferred.build_now_if_overflow()
+        assert slot.pending and slot.in_use()
+        getattr(deferred, finish)()
+        assert not slot.pending
+        deferred.release()  # a second release changes nothing
+        assert not slot.pending and deferred.done
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_deferred_lists_survive_the_device_buffers_being_rewritten() -> None:
+    """On CUDA, with the JSON text: once get_output() returned, the step's device mask buffers are overwritten
+    (as the sampler graph of a later step does) and only then are the deferred lists built: they still hold the
+    step's own ids and texts, and the lending slot is reused only after the build."""
+    vocab_size = 151552
+    copier = async_output.AsyncOutputCopier(torch.device("cuda"), use_thread=True, mask_text=True)
+    copier.defer_mask_lists = True
+    try:
+        for step in range(3):
+            sizes = [1 + (11 * step + 37 * r) % 500 for r in range(6)]
+            logits = build_rows(sizes, vocab_size, seed=70 + step).cuda()
+            num_sampled = torch.ones(len(sizes), dtype=torch.int32, device="cuda")
+            mask = SamplingMaskTensors.from_logits(logits, num_sampled, 640).prepack(True)
+            out = copier.submit([f"r{i}" for i in range(len(sizes))], np.ones(len(sizes), dtype=bool),
+                                torch.zeros(len(sizes), dtype=torch.int64, device="cuda"), None, mask,
+                                lambda _sampled: None).get_output()
+            deferred = out.pending_masks
+            assert isinstance(deferred, async_output.DeferredMasks) and deferred.lent is not None
+            assert deferred.lent.pending
+            for t in (mask.token_ids, mask.counts, mask.packed_ids, mask.text, mask.text_lengths):
+                t.fill_(7)  # what a later step's graph replay would do to its static outputs
+            torch.cuda.synchronize()
+            lists, texts = deferred.build()
+            assert not deferred.lent.pending
+            rows = [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])]
+            want = reference_supports(logits.cpu(), num_sampled.cpu().numpy())
+            assert rows == [w.tolist() for w in want]
+            assert [bytes(t) for t in texts.rows()] == [("[" + ",".join(map(str, r)) + "]").encode() for r in rows]
+    finally:
+        copier.shutdown()
