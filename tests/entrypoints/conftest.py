@@ -7,8 +7,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -78,6 +79,51 @@ def start_server(extra_args: list[str], extra_env: dict[str, str] | None = None)
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError("vllm serve did not become healthy in time")
+
+
+def drop_stream(server: RemoteServer, body: dict[str, Any], num_chunks: int = 3,
+                while_open: Callable[[], None] | None = None) -> None:
+    """POST a streamed completion, read its first `num_chunks` events, run `while_open` (if any) with the
+    connection still open, then close it mid-stream."""
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200
+            seen = 0
+            for line in resp.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == num_chunks:
+                    break
+            if while_open is not None:
+                while_open()
+
+
+def concurrent_streams(server: RemoteServer, requests: list[dict[str, Any]]
+                       ) -> list[tuple[list[int], list[list[int]]]]:
+    """Stream the completions `requests` (keyword arguments of openai's completions.create, without model and
+    stream) all at once; each one's token ids and sampling masks, concatenated over its chunks."""
+    import asyncio
+
+    import openai
+
+    async def one(aclient: openai.AsyncOpenAI, kwargs: dict[str, Any]) -> tuple[list[int], list[list[int]]]:
+        token_ids: list[int] = []
+        masks: list[list[int]] = []
+        stream = await aclient.completions.create(model=server.model, stream=True, **kwargs)
+        async for chunk in stream:
+            c = chunk.choices[0].model_dump()
+            token_ids += c["token_ids"]
+            masks += c["sampling_mask"]
+        return token_ids, masks
+
+    async def run() -> list[tuple[list[int], list[list[int]]]]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0,
+                                     timeout=120)
+        try:
+            return await asyncio.gather(*(one(aclient, kwargs) for kwargs in requests))
+        finally:
+            await aclient.close()
+
+    return asyncio.run(run())
 
 
 def stop_server(srv: RemoteServer) -> None:

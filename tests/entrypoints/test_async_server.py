@@ -1,18 +1,20 @@
-"""`vllm serve` on the serving path a GPU takes by default, here on CPU: async scheduling (two-deep batch queue,
-output thread) with launch-ahead (VLLM_ENGINE_LAUNCH_AHEAD=1: each step's outputs are sent after the step after
-next was launched). Seeded requests return the synchronous offline engine's tokens and masks; concurrent sampled
-streams get one mask per token with the token inside; a dropped stream is aborted and frees its KV blocks."""
+"""`vllm serve` with async scheduling (the two-deep batch queue and the output thread, which a GPU runs by default),
+here on CPU (no copy streams, staging slots or graphs), with the two experiment switches on: launch-ahead
+(VLLM_ENGINE_LAUNCH_AHEAD=1: each step's outputs are sent after the step after next was launched) and deferred
+mask lists (VLLM_ENGINE_DEFER_MASK_LISTS=1: built by the engine core when it sends them). Seeded requests return
+the synchronous offline engine's tokens and masks; concurrent sampled streams get one mask per token with the
+token inside; a dropped stream is aborted and frees its KV blocks."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, RemoteServer, start_server, stop_server
+from tests.entrypoints.conftest import (API_KEY, RemoteServer, concurrent_streams, drop_stream, start_server,
+                                       stop_server)
 from tests.entrypoints.test_openai_server import DISCONNECT_MAX_TOKENS, _wait_for_metric, check_masks
 from vllm import LLM, SamplingParams
 
@@ -23,7 +25,7 @@ PROMPTS = ["The meaning of", "A list is", "import numpy as"]
 def server() -> Iterator[RemoteServer]:
     srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "2048",
                         "--max-num-seqs", "16", "--api-key", API_KEY, "--async-scheduling"],
-                       {"VLLM_ENGINE_LAUNCH_AHEAD": "1"})
+                       {"VLLM_ENGINE_LAUNCH_AHEAD": "1", "VLLM_ENGINE_DEFER_MASK_LISTS": "1"})
     yield srv
     stop_server(srv)
 
@@ -47,28 +49,9 @@ def test_seeded_requests_match_the_synchronous_engine(server: RemoteServer) -> N
 
 
 def test_concurrent_sampled_streams(server: RemoteServer) -> None:
-    async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[list[int], list[list[int]]]:
-        token_ids: list[int] = []
-        masks: list[list[int]] = []
-        stream = await aclient.completions.create(model=server.model, prompt=f"Request {i} says", max_tokens=24,
-                                                  temperature=1.0, stream=True,
-                                                  extra_body={"top_k": 5, "return_token_ids": True,
-                                                              "ignore_eos": True})
-        async for chunk in stream:
-            c = chunk.choices[0].model_dump()
-            token_ids += c["token_ids"]
-            masks += c["sampling_mask"]
-        return token_ids, masks
-
-    async def run() -> list[tuple[list[int], list[list[int]]]]:
-        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0,
-                                     timeout=120)
-        try:
-            return await asyncio.gather(*(one(aclient, i) for i in range(24)))  # more than --max-num-seqs
-        finally:
-            await aclient.close()
-
-    results = asyncio.run(run())
+    results = concurrent_streams(server, [  # more than --max-num-seqs
+        {"prompt": f"Request {i} says", "max_tokens": 24, "temperature": 1.0,
+         "extra_body": {"top_k": 5, "return_token_ids": True, "ignore_eos": True}} for i in range(24)])
     assert len(results) == 24
     for token_ids, masks in results:
         assert len(token_ids) == 24
@@ -77,16 +60,8 @@ def test_concurrent_sampled_streams(server: RemoteServer) -> None:
 
 
 def test_dropped_stream_is_aborted(server: RemoteServer) -> None:
-    body = {"prompt": "A long story:", "max_tokens": DISCONNECT_MAX_TOKENS, "ignore_eos": True, "top_k": 5,
-            "stream": True}
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            num_chunks = 0
-            for line in resp.iter_lines():
-                num_chunks += line.startswith("data: ")
-                if num_chunks == 3:
-                    break
+    drop_stream(server, {"prompt": "A long story:", "max_tokens": DISCONNECT_MAX_TOKENS, "ignore_eos": True,
+                         "top_k": 5})
     _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v == 0)
     _wait_for_metric(server, "vllm:num_requests_running", lambda v: v == 0)
     text = httpx.get(f"{server.url}/metrics").text

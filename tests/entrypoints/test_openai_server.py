@@ -6,7 +6,6 @@ engine-core process makes the server exit non-zero. The tests run in file order;
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -19,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import RemoteServer
+from tests.entrypoints.conftest import RemoteServer, concurrent_streams, drop_stream
 
 TOP_K = 5
 MASK_ARGS: dict[str, Any] = {"top_k": TOP_K, "return_token_ids": True}
@@ -148,26 +147,9 @@ def test_generate_endpoint(server: RemoteServer) -> None:
 
 
 def test_64_concurrent_streams(server: RemoteServer) -> None:
-    async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[list[int], list[list[int]]]:
-        token_ids: list[int] = []
-        masks: list[list[int]] = []
-        stream = await aclient.completions.create(model=server.model, prompt=f"Request {i} says", max_tokens=4,
-                                                  stream=True, extra_body={**MASK_ARGS, "ignore_eos": True})
-        async for chunk in stream:
-            c = chunk.choices[0].model_dump()
-            token_ids += c["token_ids"]
-            masks += c["sampling_mask"]
-        return token_ids, masks
-
-    async def run() -> list[tuple[list[int], list[list[int]]]]:
-        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0,
-                                     timeout=120)
-        try:
-            return await asyncio.gather(*(one(aclient, i) for i in range(64)))
-        finally:
-            await aclient.close()
-
-    results = asyncio.run(run())
+    results = concurrent_streams(server, [
+        {"prompt": f"Request {i} says", "max_tokens": 4, "extra_body": {**MASK_ARGS, "ignore_eos": True}}
+        for i in range(64)])
     assert len(results) == 64
     for token_ids, masks in results:
         assert len(token_ids) == 4
@@ -250,18 +232,9 @@ def _wait_for_metric(server: RemoteServer, name: str, predicate: Any, timeout_s:
 
 
 def test_disconnected_stream_frees_kv_blocks(server: RemoteServer) -> None:
-    body = {"prompt": "A long story:", "max_tokens": DISCONNECT_MAX_TOKENS, "ignore_eos": True, "top_k": 5,
-            "stream": True}
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            lines = resp.iter_lines()
-            num_chunks = 0
-            for line in lines:
-                num_chunks += line.startswith("data: ")
-                if num_chunks == 3:
-                    break
-            assert _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v > 0) > 0
+    body = {"prompt": "A long story:", "max_tokens": DISCONNECT_MAX_TOKENS, "ignore_eos": True, "top_k": 5}
+    drop_stream(server, body,
+                while_open=lambda: _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v > 0))
     # The connection is closed mid-stream: the request must be aborted and its blocks freed.
     _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v == 0)
     _wait_for_metric(server, "vllm:num_requests_running", lambda v: v == 0)

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, RemoteServer, start_server, stop_server
+from tests.entrypoints.conftest import API_KEY, RemoteServer, drop_stream, start_server, stop_server
 
 TOP_K = 8
 SEED = 321
@@ -162,16 +162,9 @@ def num_aborted(server: RemoteServer) -> float:
 def test_disconnected_n3_stream_aborts_every_child(server: RemoteServer) -> None:
     # NOTE: the longest output the server allows, and the connection is closed right after the first chunks:
     # the children must be aborted long before they could reach max_tokens.
-    body = {**completion_body(3, SEED), "max_tokens": 120, "stream": True}
+    body = {**completion_body(3, SEED), "max_tokens": 120}
     aborted_before = num_aborted(server)
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            num_chunks = 0
-            for line in resp.iter_lines():
-                num_chunks += line.startswith("data: ")
-                if num_chunks == 3:
-                    break
+    drop_stream(server, body)
     wait_for_metric(server, "vllm:num_requests_running", lambda v: v == 0)
     wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v == 0)
     # NOTE: the children count as engine requests: all three end as aborts, none runs to max_tokens.

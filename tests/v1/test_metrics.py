@@ -147,12 +147,13 @@ def test_engine_core_logs_gc_pauses_with_step_timing(monkeypatch, caplog) -> Non
         def has_unfinished_requests(self) -> bool:
             return self.left > 0
 
-        def step(self) -> None:
+        def step(self) -> core_proc.EngineCoreOutputs:
             self.left -= 1
             gc.collect()
+            return core_proc.EngineCoreOutputs()
 
     proc = core_proc.EngineCoreProc.__new__(core_proc.EngineCoreProc)  # no sockets: inputs and sends stubbed
-    proc.engine_core, proc.should_stop = FakeCore(), False
+    proc.engine_core, proc.should_stop, proc.launches_ahead = FakeCore(), False, False
     proc._process_inputs = lambda block: (setattr(proc, "should_stop", block) or False)  # idle: stop
     proc.send_outputs = lambda outputs: None
     monkeypatch.setattr(envs, "VLLM_ENGINE_STEP_TIMING", True)

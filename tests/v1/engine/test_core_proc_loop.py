@@ -1,6 +1,7 @@
-"""EngineCoreProc's busy loop, its order of work per step against a scripted engine core (no sockets): a step's
-outputs are sent after the inputs that arrived meanwhile were applied and after `launch_ahead`, never lost when
-the core goes idle, and an idle core blocks for input only once everything is sent."""
+"""EngineCoreProc's busy loop, its order of work per step against a scripted engine core (no sockets): without
+launch-ahead a step's outputs are sent as soon as the step returns them; with it, after the inputs that arrived
+meanwhile were applied and after `launch_ahead`, and never lost when the core goes idle or stops; an idle core
+blocks for input only once everything is sent."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from vllm.v1.engine.core_proc import EngineCoreProc
 
 
 class ScriptedCore:
-    """Runs `num_steps` steps and logs every call; has no `launch_ahead`, like a core with only the protocol's
-    four methods."""
+    """Runs `num_steps` steps and logs every call; no launch-ahead, like a core with only the protocol's four
+    methods."""
 
     def __init__(self, num_steps: int, log: list[Any]) -> None:
         self.num_steps, self.done, self.log = num_steps, 0, log
@@ -27,20 +28,25 @@ class ScriptedCore:
 
 
 class AheadCore(ScriptedCore):
+    launches_ahead = True
+
     def launch_ahead(self) -> None:
         self.log.append("ahead")
 
 
-def _run(core: Any, log: list[Any], aborts_at: int | None = None) -> None:
+def _run(core: Any, log: list[Any], aborts_at: int | None = None, stops_at: int | None = None) -> None:
+    """The loop until its second blocking poll (or poll number `stops_at`, a SHUTDOWN); poll number `aborts_at`
+    reports an abort."""
     proc = EngineCoreProc.__new__(EngineCoreProc)  # the loop only: inputs and sends are scripted
     proc.engine_core, proc.should_stop = core, False
-    proc.launch_ahead = getattr(core, "launch_ahead", lambda: None)
-    polls = [0]
+    proc.launches_ahead = getattr(core, "launches_ahead", False)
+    polls, blocking = [0], [0]
 
     def process_inputs(block: bool) -> bool:
         polls[0] += 1
+        blocking[0] += block
         log.append(("inputs", block))
-        if block:  # idle: the test ends here
+        if blocking[0] == 2 or polls[0] == stops_at:
             proc.should_stop = True
         return polls[0] == aborts_at
 
@@ -51,7 +57,18 @@ def _run(core: Any, log: list[Any], aborts_at: int | None = None) -> None:
     proc._busy_loop(None, None, None)
 
 
-def test_outputs_are_sent_after_the_next_launch() -> None:
+def test_without_launch_ahead_outputs_go_out_at_once() -> None:
+    """A core without launch-ahead: each step's outputs are sent right after the step; an abort that arrives with
+    nothing running gets a stats-only message."""
+    log: list[Any] = []
+    _run(ScriptedCore(2, log), log, aborts_at=3)
+    assert log == [("inputs", False), ("step", 1), ("send", 1),
+                   ("inputs", False), ("step", 2), ("send", 2),
+                   ("inputs", True), "stats",
+                   ("inputs", True)]
+
+
+def test_with_launch_ahead_outputs_are_sent_after_the_next_launch() -> None:
     log: list[Any] = []
     _run(AheadCore(3, log), log)
     assert log == [("inputs", False), ("step", 1),
@@ -59,15 +76,10 @@ def test_outputs_are_sent_after_the_next_launch() -> None:
                    ("inputs", False), "ahead", ("send", 2), ("step", 3),
                    # the core is idle now, but step 3's outputs are still to go: no blocking poll before them
                    ("inputs", False), ("send", 3),
-                   ("inputs", True)]
+                   ("inputs", True), ("inputs", True)]
 
 
-def test_core_without_launch_ahead_and_an_abort_while_idle() -> None:
-    """A core without `launch_ahead` (the protocol's four methods) sends each step's outputs on the next turn;
-    an abort that arrives with nothing running gets a stats-only message."""
+def test_held_outputs_are_sent_on_shutdown() -> None:
     log: list[Any] = []
-    _run(ScriptedCore(2, log), log, aborts_at=3)
-    assert log == [("inputs", False), ("step", 1),
-                   ("inputs", False), ("send", 1), ("step", 2),
-                   ("inputs", False), ("send", 2), "stats",
-                   ("inputs", True)]
+    _run(AheadCore(3, log), log, stops_at=2)
+    assert log == [("inputs", False), ("step", 1), ("inputs", False), ("send", 1)]

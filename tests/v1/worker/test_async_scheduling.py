@@ -24,6 +24,16 @@ def _engine_core(llm: LLM) -> Any:
     return llm.llm_engine.engine_core.engine_core
 
 
+def _assert_same_samples(ref: list[RequestOutput], got: list[RequestOutput], num_tokens: int) -> None:
+    """Each request's tokens (num_tokens of them), sampling masks and logprobs equal the reference's."""
+    for a, b in zip(ref, got, strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids and len(cb.token_ids) == num_tokens
+        assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
+        assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
+            [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]
+
+
 @pytest.fixture(scope="module")
 def llms() -> dict[bool, LLM]:
     return {flag: LLM(device="cpu", max_num_seqs=8, max_model_len=128, async_scheduling=flag)
@@ -68,13 +78,9 @@ def test_seeded_logprobs_and_masks_match() -> None:
         results[flag] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
         if flag:  # the list building is the output thread's phase
             assert llm.llm_engine.engine_core.engine_core.step_timer.totals["out.lists"] > 0
-    for a, b in zip(results[False], results[True]):
-        ca, cb = a.outputs[0], b.outputs[0]
-        assert ca.token_ids == cb.token_ids and len(ca.token_ids) == 10
-        assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
-        assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
-            [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]
-        for token, support in zip(cb.token_ids, cb.sampling_mask.token_ids):
+    _assert_same_samples(results[False], results[True], 10)
+    for out in results[True]:
+        for token, support in zip(out.outputs[0].token_ids, out.outputs[0].sampling_mask.token_ids):
             assert token in support and len(support) <= 20
 
 
@@ -185,12 +191,7 @@ def test_launch_ahead_keeps_two_steps_in_flight_while_outputs_are_processed(monk
     # scheduled before their last update) and in the last steps.
     assert in_flight[True].count(2) >= len(in_flight[True]) - 4, in_flight
     for ahead in (False, True):
-        for a, b in zip(results[None], results[ahead]):
-            ca, cb = a.outputs[0], b.outputs[0]
-            assert ca.token_ids == cb.token_ids and len(cb.token_ids) == 9
-            assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
-            assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
-                [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]
+        _assert_same_samples(results[None], results[ahead], 9)
 
 
 def test_stop_strings_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -239,9 +240,4 @@ def test_deferred_mask_lists_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) 
         assert core.worker.model_runner.output_copier.defer_mask_lists is deferred
         assert (core.step_timer.totals["send.masks"] > 0) is deferred
     assert len(sizes[True]) == 5 * 8 and sizes[True] == sizes[False]
-    for a, b in zip(results[False], results[True]):
-        ca, cb = a.outputs[0], b.outputs[0]
-        assert ca.token_ids == cb.token_ids and len(cb.token_ids) == 8
-        assert ca.sampling_mask.token_ids == cb.sampling_mask.token_ids
-        assert [{k: v.logprob for k, v in d.items()} for d in ca.logprobs] == \
-            [{k: v.logprob for k, v in d.items()} for d in cb.logprobs]
+    _assert_same_samples(results[False], results[True], 8)

@@ -51,19 +51,27 @@ def test_lending_slot_is_pending_until_built_or_released() -> None:
         assert not slot.pending
         deferred.release()  # a second release changes nothing
         assert not slot.pending and deferred.done
+    # Dropped without either (outputs never resolved): the slot is freed when the object goes.
+    slot = HostStagingSlot(pin=False, lends=True)
+    slot.pending = True
+    deferred = async_output.DeferredMasks(mask.to_cpu_nonblocking(), slot, None)
+    del deferred
+    assert not slot.pending
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_deferred_lists_survive_the_device_buffers_being_rewritten() -> None:
-    """On CUDA, with the JSON text: once get_output() returned, the step's device mask buffers are overwritten
-    (as the sampler graph of a later step does) and only then are the deferred lists built: they still hold the
-    step's own ids and texts, and the lending slot is reused only after the build."""
+    """On CUDA, with the JSON text: two steps go through the copier (the second while the first's lists are still
+    deferred, so it takes another lending slot), one with a row past K; once get_output() returned, every device
+    buffer of both masks is overwritten (as later steps' sampler graphs do, the bitmask included) and only then
+    are the lists built: each still holds its own step's ids and texts (the overflowing step's were built by
+    the output thread), and each slot stays pending until its build."""
     vocab_size = 151552
     copier = async_output.AsyncOutputCopier(torch.device("cuda"), use_thread=True, mask_text=True)
     copier.defer_mask_lists = True
+    steps = []
     try:
-        for step in range(3):
-            sizes = [1 + (11 * step + 37 * r) % 500 for r in range(6)]
+        for step, sizes in enumerate([[3, 410, 77, 1, 250], [12, 900, 5, 64]]):  # K = 640: 900 ids overflow
             logits = build_rows(sizes, vocab_size, seed=70 + step).cuda()
             num_sampled = torch.ones(len(sizes), dtype=torch.int32, device="cuda")
             mask = SamplingMaskTensors.from_logits(logits, num_sampled, 640).prepack(True)
@@ -72,14 +80,17 @@ def test_cuda_deferred_lists_survive_the_device_buffers_being_rewritten() -> Non
                                 lambda _sampled: None).get_output()
             deferred = out.pending_masks
             assert isinstance(deferred, async_output.DeferredMasks) and deferred.lent is not None
-            assert deferred.lent.pending
-            for t in (mask.token_ids, mask.counts, mask.packed_ids, mask.text, mask.text_lengths):
-                t.fill_(7)  # what a later step's graph replay would do to its static outputs
-            torch.cuda.synchronize()
+            assert deferred.lent.pending and (deferred._built is not None) is (step == 1)
+            steps.append((mask, deferred, reference_supports(logits.cpu(), num_sampled.cpu().numpy())))
+        assert steps[0][1].lent is not steps[1][1].lent
+        for mask, _, _ in steps:
+            for t in (mask.token_ids, mask.counts, mask.packed_mask, mask.packed_ids, mask.text, mask.text_lengths):
+                t.fill_(7)  # what later steps' graph replays would do to these static outputs
+        torch.cuda.synchronize()
+        for _, deferred, want in steps:
             lists, texts = deferred.build()
             assert not deferred.lent.pending
             rows = [x.tolist() for x in np.split(lists.token_ids, lists.offsets[1:-1])]
-            want = reference_supports(logits.cpu(), num_sampled.cpu().numpy())
             assert rows == [w.tolist() for w in want]
             assert [bytes(t) for t in texts.rows()] == [("[" + ",".join(map(str, r)) + "]").encode() for r in rows]
     finally:

@@ -52,8 +52,8 @@ class EngineCore:
         self.worker.compile_or_warm_up_model()
         self.num_gpu_blocks = num_blocks
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
-        # VLLM_ENGINE_LAUNCH_AHEAD (an experiment, off by default): see `launch_ahead`.
-        self.launches_ahead = envs.VLLM_ENGINE_LAUNCH_AHEAD
+        # VLLM_ENGINE_LAUNCH_AHEAD (an experiment, off by default), with async scheduling only: see `launch_ahead`.
+        self.launches_ahead = self.async_scheduling and envs.VLLM_ENGINE_LAUNCH_AHEAD
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(vllm_config, num_blocks)
         self.batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
@@ -99,7 +99,7 @@ class EngineCore:
         full, now rather than at the start of the next `step()`. A caller that holds a step's outputs calls it
         before handing them on (sending, detokenizing), so that the device gets the step after next while the
         host does that work; without the switch (or async scheduling) it does nothing."""
-        if self.async_scheduling and self.launches_ahead:
+        if self.launches_ahead:
             self._fill_batch_queue()
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:

@@ -14,9 +14,9 @@ one of:
 Invariants:
 - Every input that is waiting is handled before the next step, so an ABORT frees its KV blocks before the
   blocks are used again; after an abort that left the core idle, one stats-only output reports the new KV usage.
-- A step's outputs are sent on the next turn of the loop, after the inputs that came meanwhile and after
-  `engine_core.launch_ahead()` (which launches the step after next when VLLM_ENGINE_LAUNCH_AHEAD is set), and
-  always before the core blocks waiting for input.
+- A step's outputs are sent as soon as `step()` returns them; with launch-ahead (`engine_core.launches_ahead`)
+  on the next turn of the loop instead, after the inputs that came meanwhile and `engine_core.launch_ahead()`
+  (which launches the step after next), and always before the core blocks waiting for input or stops.
 - With several clients, each request's outputs go to the client named by its `client_index` and only there;
   scheduler stats go to every client. An ADD whose request id is already running (two API servers given the
   same id) is refused with an ABORT-finished output to its own client; the running request is untouched, also
@@ -60,12 +60,13 @@ _STEP_TIMING_LOG_S = 5.0
 
 class EngineCoreProc:
     """Owns the sockets and the loop; `engine_core` is anything with EngineCore's four methods (add_request,
-    abort_requests, has_unfinished_requests, step), and optionally its `launch_ahead`."""
+    abort_requests, has_unfinished_requests, step), and optionally its `launches_ahead` and `launch_ahead`."""
 
     def __init__(self, engine_core: Any, input_addresses: list[str], output_addresses: list[str],
                  parent_pid: int) -> None:
         self.engine_core = engine_core
-        self.launch_ahead: Callable[[], None] = getattr(engine_core, "launch_ahead", lambda: None)
+        # EngineCore.launch_ahead is on (VLLM_ENGINE_LAUNCH_AHEAD with async scheduling): see _busy_loop.
+        self.launches_ahead = bool(getattr(engine_core, "launches_ahead", False))
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
@@ -196,35 +197,37 @@ class EngineCoreProc:
 
     def _busy_loop(self, timer: Any, log_every: float | None, gc_timer: GcTimer | None) -> None:
         last_log = time.monotonic()
-        # A step's outputs wait here from its update to the next turn of the loop: they are sent after the
-        # inputs that came meanwhile were applied and, with launch-ahead (EngineCore.launch_ahead), after the
-        # step after next was launched.
+        # With launch-ahead a step's outputs are held here from its update to the next turn of the loop: they are
+        # sent after the inputs that came meanwhile were applied and after the step after next was launched.
+        # Without it they are sent at once, as soon as the step returns them.
+        holds = self.launches_ahead
         outputs: EngineCoreOutputs | None = None
         while not self.should_stop:
             idle = not self.engine_core.has_unfinished_requests()
             t0 = time.perf_counter()
             aborted = self._process_inputs(block=idle and outputs is None)
             if self.should_stop:
+                if outputs is not None:
+                    self._send_step(outputs, timer)
                 break
             if idle and outputs is None and timer is not None:
                 timer.restart_if_empty()
             busy = self.engine_core.has_unfinished_requests()
             t1 = time.perf_counter()
-            if busy and outputs is not None:
-                self.launch_ahead()
             if outputs is not None:
-                t2, c2 = time.perf_counter(), time.thread_time()
-                outputs.resolve_step_rows()  # deferred mask lists (VLLM_ENGINE_DEFER_MASK_LISTS) built now
-                self.send_outputs(outputs)
+                if busy:
+                    self.engine_core.launch_ahead()
+                self._send_step(outputs, timer)
                 # NOTE: not kept through the next step: its masks may be views of a lending staging slot
                 # (vllm/v1/worker/async_output.py) that the next step could otherwise take.
                 outputs = None
-                if timer is not None:
-                    timer.add("send", time.perf_counter() - t2, time.thread_time() - c2)
             if busy:
                 if timer is not None and not idle:  # an idle core blocked for its first request: not a step's
                     timer.add("inputs", t1 - t0)
                 outputs = self.engine_core.step()
+                if not holds:
+                    self._send_step(outputs, timer)
+                    outputs = None
             elif aborted:
                 self.broadcast(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
             # Every few seconds, and when the core goes idle.
@@ -234,6 +237,13 @@ class EngineCoreProc:
                 logger.info("Engine step timing: %s", timer.report())
                 if gc_timer is not None:
                     logger.info("Engine core GC: %s", gc_timer.report())
+
+    def _send_step(self, outputs: EngineCoreOutputs, timer: Any) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        outputs.resolve_step_rows()  # deferred mask lists (VLLM_ENGINE_DEFER_MASK_LISTS) built now
+        self.send_outputs(outputs)
+        if timer is not None:
+            timer.add("send", time.perf_counter() - t0, time.thread_time() - c0)
 
     def _stats(self) -> Any:
         scheduler = getattr(self.engine_core, "scheduler", None)

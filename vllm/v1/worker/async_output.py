@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -99,7 +100,8 @@ class AsyncOutputCopier:
 
     def step_started(self) -> None:
         """Mark the start of a step's device work on the current stream (with `device_timing` on CUDA); the
-        runner calls it before the step's first device operation and `submit` after its last one."""
+        runner calls it once the step's inputs are prepared, right before its forward, and `submit` after its
+        last device operation."""
         if self.device_timing and self.copy_stream is not None:
             self._step_start = torch.cuda.Event(enable_timing=True)
             self._step_start.record()
@@ -215,12 +217,23 @@ class DeferredMasks:
                 self.timer.add("send.masks", time.perf_counter() - t0)
 
     def release(self) -> None:
-        if not self.done:
-            self.done = True
-            if self.lent is not None:
-                # NOTE: wait for the copies first: the slot must not be taken while they still write into it.
+        if self.done:
+            return
+        self.done = True
+        if self.lent is not None:
+            try:
+                # NOTE: the copies first: the slot must not be taken while they still write into it.
                 self.copy.wait()
+            finally:
                 self.lent.pending = False
+
+    def __del__(self) -> None:
+        # NOTE: a safety net for outputs dropped unresolved (e.g. a caller of EngineCore.step() that never calls
+        # resolve_step_rows): their slot would otherwise stay pending for good.
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 (nothing to report to from a finalizer)
+            pass
 
 
 def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
@@ -235,7 +248,8 @@ def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: n
         return output
     except BaseException:
         if deferred is not None:
-            deferred.release()  # nobody gets this output, so nobody would
+            with contextlib.suppress(Exception):  # the original error is the one to report
+                deferred.release()  # nobody gets this output, so nobody would
         raise
     finally:
         if lent is not None:

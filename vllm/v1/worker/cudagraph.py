@@ -16,8 +16,10 @@ Invariants:
 - Attention's num_splits is fixed per size (it sets the grid), chosen for max_model_len.
 - Sampler graphs come in two sets with separate memory pools, used alternately step after step: a graph's
   static outputs (sampled ids, logprobs, mask tensors) are read by the output copies and the output thread
-  after the step was launched, and the engine launches step N+2 only after step N's outputs were turned into
-  lists (the batch queue is two deep), so the set that step N+2 reuses is free by then.
+  after the step was launched, and the engine launches step N+2 only after step N's `get_output()` returned
+  (the batch queue is two deep), by which time the output thread has waited for all of step N's copies and
+  built every list that reads a static output directly (its mask lists too when they overflow K; deferred mask
+  lists, VLLM_ENGINE_DEFER_MASK_LISTS, read only the host copies), so the set that step N+2 reuses is free.
 
 Mixed steps (prefills and decodes, total tokens != num_reqs) are padded to a fixed shape, T tokens of the
 smallest mixed size >= the step's tokens (`resolve_mixed_capture_sizes`: multiples of 256 and the token budget)

@@ -266,7 +266,6 @@ class ModelRunner:
             if timer is not None:
                 timer.add("launch.prep", time.perf_counter() - t0)
             return AsyncModelRunnerOutput.ready(EMPTY_MODEL_RUNNER_OUTPUT)
-        self.output_copier.step_started()
         num_reqs = len(so.num_scheduled_tokens)
         pad_to = None
         if so.total_num_scheduled_tokens == num_reqs and (self.use_cuda_graph or self.pad_eager_decode):
@@ -281,6 +280,9 @@ class ModelRunner:
         graph_rows = pad_to if pad_to is not None and self.sampler_graphs is not None else None
         meta = self._sampling_metadata(inputs, graph_rows)
         buffers.record_copies()
+        # NOTE: after the host's input preparation, so that the device waiting for it counts as idle (dev.gap),
+        # not as the step's device time; the step's input copies (tens of us) count as idle too.
+        self.output_copier.step_started()
         t1 = time.perf_counter()
         hidden, out = None, None
         if graph_rows is not None and self._sampler_graphable(meta, graph_rows):
