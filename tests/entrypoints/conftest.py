@@ -88,13 +88,16 @@ def drop_stream(server: RemoteServer, body: dict[str, Any], num_chunks: int = 3,
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
             assert resp.status_code == 200
+            # NOTE: the line iterator is kept until here: a dropped one is closed, and with it the response.
+            lines = resp.iter_lines()
             seen = 0
-            for line in resp.iter_lines():
+            for line in lines:
                 seen += line.startswith("data: ")
                 if seen == num_chunks:
                     break
             if while_open is not None:
                 while_open()
+            del lines
 
 
 def concurrent_streams(server: RemoteServer, requests: list[dict[str, Any]]
