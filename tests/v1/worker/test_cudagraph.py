@@ -329,12 +329,20 @@ def test_padded_mixed_steps_match_unpadded(backend: str) -> None:
         assert cache_pad[:, 40].abs().sum() > 0 and cache_ref[:, 40].abs().sum() == 0
 
 
+@pytest.mark.parametrize("sampler_graph", [False, True])
 @pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
-def test_padded_mixed_sampler_matches_unpadded(backend: str) -> None:
-    """top_k=1 with logprobs and sampling masks: tokens, logprobs, ranks and masks per request equal."""
+def test_padded_mixed_sampler_matches_unpadded(backend: str, sampler_graph: bool) -> None:
+    """top_k=1 with logprobs and sampling masks: tokens, logprobs, ranks and masks per request equal; with
+    `sampler_graph` the padded mixed steps also sample as the padded sampler (VLLM_SAMPLER_GRAPH_MIXED)."""
     _skip_triton_on_cuda(backend)
     kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
     ref, padded, seen = _mixed_runners(backend, **kwargs)
+    calls: list[int] = []
+    if sampler_graph:
+        padded.sample_mixed_graphed = True
+        padded.sampler_graphs = SamplerGraphs([2, 4, 8], capture=False)
+        run = padded.sampler_graphs.run
+        padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
     params = SamplingParams(temperature=1.0, top_k=1, logprobs=2, max_tokens=16, ignore_eos=True)
     got, want = _run_mixed_steps(padded, params), _run_mixed_steps(ref, params)
     assert seen == MIXED_PADS
@@ -348,6 +356,8 @@ def test_padded_mixed_sampler_matches_unpadded(backend: str) -> None:
             assert (gm.token_ids[gm.offsets[j]:gm.offsets[j + 1]].tolist()
                     == wm.token_ids[wm.offsets[j]:wm.offsets[j + 1]].tolist())
         assert bytes(g.sampling_mask_text.text) == bytes(w.sampling_mask_text.text)
+    # Every step through the padded sampler: the request counts 2, 3, 4, 8, 7, 8 padded to the capture sizes.
+    assert calls == ([2, 4, 4, 8, 8, 8] if sampler_graph else [])
 
 
 def test_padded_mixed_step_too_large_runs_unpadded() -> None:
@@ -358,3 +368,90 @@ def test_padded_mixed_step_too_large_runs_unpadded() -> None:
     got, want = _run_mixed_steps(padded, params), _run_mixed_steps(ref, params)
     assert seen == [None, 8, None, None, None, None]
     assert [o.sampled_token_ids for o in got] == [o.sampled_token_ids for o in want]
+
+
+def _prefill_steps(runner: ModelRunner, params: SamplingParams) -> list[Any]:
+    """Three steps of three requests: prefills with a partial chunk (r1: 3 of its 7 prompt tokens, so it does not
+    sample), then r1's rest among two decodes, then a pure decode step; each step's ModelRunnerOutput."""
+    blocks = {f"r{i}": list(range(4 * i, 4 * i + 4)) for i in range(3)}
+    new = [NewRequestData(f"r{i}", PROMPTS[i], [], params, blocks[f"r{i}"], 0, client_index=i) for i in range(3)]
+    sched = {"r0": 5, "r1": 3, "r2": 3}
+    outs = [runner.execute_model(SchedulerOutput(new, CachedRequestData(), sched, 11, set()))]
+    ids = ["r2", "r1", "r0"]
+    cached = CachedRequestData(list(ids), [[] for _ in ids], [3, 3, 5])
+    outs.append(runner.execute_model(SchedulerOutput([], cached, {"r2": 1, "r1": 4, "r0": 1}, 6, set())))
+    cached = CachedRequestData(list(ids), [[] for _ in ids], [4, 7, 6])
+    outs.append(runner.execute_model(SchedulerOutput([], cached, {r: 1 for r in ids}, 3, set())))
+    return outs
+
+
+def test_padded_sampler_of_prefill_steps_matches_unpadded() -> None:
+    """VLLM_SAMPLER_GRAPH_MIXED on CPU (the sampler graph's padded sampler, run eagerly): steps with prefills
+    sample as the padded sampler of their request count over their requests' last hidden states, and give the
+    unpadded sampler's tokens, logprobs and masks (top_k=1: exact); the partial chunk samples nothing."""
+    params = SamplingParams(temperature=1.0, top_k=1, logprobs=1, max_tokens=16, ignore_eos=True)
+    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
+    ref, _ = _runner("cpu", **kwargs)
+    padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
+    padded.pad_eager_decode = True
+    padded.sample_mixed_graphed = True
+    padded.sampler_graphs = SamplerGraphs([2, 4], capture=False)
+    calls: list[int] = []
+    run = padded.sampler_graphs.run
+    padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
+    got, want = _prefill_steps(padded, params), _prefill_steps(ref, params)
+    assert calls == [4, 4, 4]
+    for g, w in zip(got, want):
+        by_id = {r: g.sampled_token_ids[g.req_id_to_index[r]] for r in g.req_ids}
+        assert by_id == {r: w.sampled_token_ids[w.req_id_to_index[r]] for r in w.req_ids}
+    assert got[0].sampled_token_ids[got[0].req_id_to_index["r1"]] == []  # the partial chunk
+    # Tokens, logprobs and masks of every sampling request, per step (the partial chunk's row is empty).
+    _assert_same_sampled(got, want)
+
+
+def _assert_same_sampled(got: list[Any], want: list[Any]) -> None:
+    """Per step, the same requests sampled the same tokens, logprob ids and masks, with logprobs within 1e-4."""
+    for g_step, w_step in zip(_per_request_sampled(got), _per_request_sampled(want), strict=True):
+        assert g_step.keys() == w_step.keys()
+        for r, (tok, lp_ids, mask, lp_vals) in g_step.items():
+            assert (tok, lp_ids, mask) == w_step[r][:3]
+            assert lp_vals == pytest.approx(w_step[r][3], abs=1e-4)
+
+
+def _per_request_sampled(outputs: list[Any]) -> list[dict[str, tuple[Any, ...]]]:
+    """Each step's (token, logprob ids, mask, logprob values) per request that sampled."""
+    steps = []
+    for out in outputs:
+        lp, masks = out.logprobs, out.sampling_masks
+        row: dict[str, tuple[Any, ...]] = {}
+        for r in out.req_ids:
+            j = out.req_id_to_index[r]
+            if not out.sampled_token_ids[j]:
+                assert masks.offsets[j + 1] == masks.offsets[j]
+                continue
+            mask = masks.token_ids[masks.offsets[j]:masks.offsets[j + 1]].tolist()
+            assert mask == out.sampled_token_ids[j]  # top_k=1
+            row[r] = (out.sampled_token_ids[j], lp.logprob_token_ids[j].tolist(), mask, lp.logprobs[j].tolist())
+        steps.append(row)
+    return steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_sampler_graph_of_prefill_steps_matches_eager() -> None:
+    """VLLM_SAMPLER_GRAPH_MIXED on CUDA: the prefill steps' last hidden states go into the decode graph's static
+    output and the captured sampler graph of the padded size runs over them; tokens, logprobs and masks equal
+    the eager runner's (top_k=1: exact)."""
+    params = SamplingParams(temperature=1.0, top_k=1, logprobs=1, max_tokens=16, ignore_eos=True)
+    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
+    eager, _ = _runner("cuda", enforce_eager=True, **kwargs)
+    graphs, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
+    graphs.sample_mixed_graphed = True
+    graphs.capture_model()
+    assert graphs.sampler_graphs is not None
+    replayed: list[int] = []
+    run = graphs.sampler_graphs.run
+    graphs.sampler_graphs.run = lambda size, key, fn: (  # type: ignore[method-assign]
+        lambda out: (replayed.append(size if out is not None else -1), out)[1])(run(size, key, fn))
+    got, want = _prefill_steps(graphs, params), _prefill_steps(eager, params)
+    assert replayed == [4, 4, 4]
+    _assert_same_sampled(got, want)

@@ -19,8 +19,12 @@ Invariants:
   = the batch's max_top_k, no top-p/min-p, no mask) and their outputs are cut off; the sampler's fallback rows
   are chosen real rows first (stable order), so padding can never take a fallback slot from a real row.
 - A mixed step padded to T tokens (a mixed CUDA graph's size, or pad_eager_mixed in tests) runs its forward
-  over all T tokens and max_num_seqs + 1 request rows; its logits and sampler run eagerly on the real requests'
-  last tokens only, as an unpadded step's do.
+  over all T tokens and max_num_seqs + 1 request rows; its logits and sampler run on the real requests' last
+  tokens only, as an unpadded step's do (eagerly, or as a sampler graph with VLLM_SAMPLER_GRAPH_MIXED, below).
+- With VLLM_SAMPLER_GRAPH_MIXED a step with prefills (eager forward, num_reqs <= the largest capture size)
+  samples the same way: its requests' last hidden states, then zero rows, go into the decode forward graph's
+  static output of B = the padded request count, and the sampler graph of B runs over them; rows that do not
+  sample this step (partial prefill chunks) are sampled too and dropped, as in the eager sampler.
 - A sampled token is counted in InputBatch.num_tokens when it is sampled; its value reaches token_ids_cpu when
   its step's output is read back (`get_output()`), which the engine does before it schedules two steps later.
 """
@@ -105,6 +109,8 @@ class ModelRunner:
         self.mixed_graph_bytes = 0
         # NOTE: tests set this to run mixed steps padded exactly as for a mixed graph, but eagerly (e.g. on CPU).
         self.pad_eager_mixed = False
+        # VLLM_SAMPLER_GRAPH_MIXED (an experiment, off by default): steps with prefills sample as sampler graphs.
+        self.sample_mixed_graphed = envs.VLLM_SAMPLER_GRAPH_MIXED
         # Logits + sampler of graphed decode steps (VLLM_SAMPLER_CUDA_GRAPH=0: eager); tests that wrap the sampler
         # set it to None, or to SamplerGraphs(capture=False) to run the padded sampler eagerly.
         self.sampler_graphs: SamplerGraphs | None = (
@@ -278,18 +284,29 @@ class ModelRunner:
                                  self._graph_num_splits(pad_to) if pad_to is not None else None, pad_tokens)
         buffers.apply_prev_sampled(self._prev_sampled)
         graph_rows = pad_to if pad_to is not None and self.sampler_graphs is not None else None
-        meta = self._sampling_metadata(inputs, graph_rows)
+        # A step with prefills (no forward graph) samples as the sampler graph of its padded request count, over
+        # its requests' last hidden states, with VLLM_SAMPLER_GRAPH_MIXED.
+        mixed_rows = None
+        if (pad_to is None and self.sample_mixed_graphed and self.sampler_graphs is not None
+                and (self.use_cuda_graph or self.pad_eager_decode)):
+            mixed_rows = self.cudagraphs.padded_size(num_reqs)
+        sample_rows = graph_rows or mixed_rows
+        meta = self._sampling_metadata(inputs, sample_rows)
         buffers.record_copies()
         # NOTE: after the host's input preparation, so that the device waiting for it counts as idle (dev.gap),
         # not as the step's device time; the step's input copies (tens of us) count as idle too.
         self.output_copier.step_started()
         t1 = time.perf_counter()
         hidden, out = None, None
-        if graph_rows is not None and self._sampler_graphable(meta, graph_rows):
-            hidden = self._forward_rows(inputs)  # [graph_rows, hidden_size]
-            out = self._sample_graphed(meta, graph_rows, hidden)
+        if sample_rows is not None and self._sampler_graphable(meta, sample_rows):
+            hidden = self._forward_rows(inputs)  # [graph_rows or the step's tokens, hidden_size]
+            if mixed_rows is not None:
+                out = self._sample_graphed(meta, mixed_rows,
+                                           self._padded_last_hidden(hidden[inputs.logits_indices], mixed_rows))
+            else:
+                out = self._sample_graphed(meta, sample_rows, hidden)
         if out is None:
-            if graph_rows is not None:
+            if sample_rows is not None:
                 meta = meta.narrow(num_reqs)
             if hidden is None:
                 hidden = self._forward_rows(inputs)
@@ -329,6 +346,19 @@ class ModelRunner:
             return lambda: self._sample_prepacked(self.model.compute_logits(static_hidden).float(), static_meta)
 
         return self.sampler_graphs.run(rows, key, make_fn)
+
+    def _padded_last_hidden(self, last: torch.Tensor, rows: int) -> torch.Tensor:
+        """[rows, hidden_size]: the requests' last hidden states `last`, then zero rows, in the tensor that the
+        sampler graph of `rows` reads: the decode forward graph's static output of that size (which nothing else
+        writes before the next forward), or a new tensor for the tests' padded eager steps."""
+        n = last.shape[0]
+        if self.use_cuda_graph and rows in self.cudagraphs.graphs:
+            padded = self.cudagraphs.graphs[rows][1]
+        else:
+            padded = torch.empty((rows, last.shape[1]), dtype=last.dtype, device=last.device)
+        padded[:n].copy_(last)
+        padded[n:].zero_()
+        return padded
 
     def _sample_prepacked(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """The sampler, and the mask's host-copy layout (SamplingMaskTensors.prepack) in the same graph."""
