@@ -42,22 +42,20 @@ for s in $stages; do
         --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
         --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
         --json-out "$OUT/throughput.json" 2>&1 | grep -v Warning | tee "$OUT/throughput.txt" ;;
-    mixed)  # branch wip/mixed-graphs in one call: its CUDA tests (TEST_PATHS adds more), offline no-mask throughput
-      # at 512 requests without and with mixed-step graphs (forward and sampler, ABBA), then serving no mask / no
-      # mask with them / mask with them at 512 and 1024 streams (~8 min)
-      python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_mixed_cudagraph.py tests/v1/worker/test_cudagraph.py \
-        ${TEST_PATHS:-} 2>&1 | tail -15 | tee "$OUT/mixed_tests.txt"
-      for m in 0 1 1 0; do
-        VLLM_MIXED_CUDA_GRAPH=$m VLLM_SAMPLER_GRAPH_MIXED=$m python3 benchmarks/benchmark_throughput.py \
-          --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
-          --max-num-seqs 512 --num-prompts 512 --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 \
-          --top-k 512 2>&1 | grep -v Warning | tail -1 | sed "s/^/mixed_graphs=$m: /" | tee -a "$OUT/mixed_offline.txt"
-      done
+    mixed)  # branch wip/mixed-graphs in one call: its CUDA tests (TEST_PATHS adds more; full log kept), serving A/B
+      # no mask / no mask with mixed forward graphs / with forward and sampler graphs / mask with both at 512 and
+      # 1024 streams, then one offline run with both as a smoke test (~9 min)
+      python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/v1/worker/test_mixed_cudagraph.py \
+        tests/v1/worker/test_cudagraph.py ${TEST_PATHS:-} 2>&1 | tee "$OUT/mixed_tests_full.txt" | tail -15
       VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/mixed_ab" \
-        --arms no-mask no-mask+VLLM_MIXED_CUDA_GRAPH=1+VLLM_SAMPLER_GRAPH_MIXED=1 \
+        --arms no-mask no-mask+VLLM_MIXED_CUDA_GRAPH=1 no-mask+VLLM_MIXED_CUDA_GRAPH=1+VLLM_SAMPLER_GRAPH_MIXED=1 \
         mask+VLLM_MIXED_CUDA_GRAPH=1+VLLM_SAMPLER_GRAPH_MIXED=1 --concurrencies 512 1024 \
-        --mask-check count --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 200 2>&1 \
-        | grep --line-buffered -v Warning | tee "$OUT/mixed_ab.txt" ;;
+        --mask-check count --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 260 2>&1 \
+        | grep --line-buffered -v Warning | tee "$OUT/mixed_ab.txt"
+      VLLM_MIXED_CUDA_GRAPH=1 VLLM_SAMPLER_GRAPH_MIXED=1 python3 benchmarks/benchmark_throughput.py \
+        --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
+        --max-num-seqs 512 --num-prompts 512 --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 \
+        --top-k 512 2>&1 | grep -v Warning | tail -1 | sed "s/^/mixed_graphs=1: /" | tee -a "$OUT/mixed_offline.txt" ;;
     throughput_mixed)  # the throughput stage with mixed prefill+decode steps as CUDA graphs (cudagraph.py)
       VLLM_MIXED_CUDA_GRAPH=1 python3 benchmarks/benchmark_throughput.py --model benchmarks/configs/qwen2.5-1.5b-instruct \
         --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
