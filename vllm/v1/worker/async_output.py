@@ -48,12 +48,11 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, future: Future[tuple[ModelRunnerOutput, np.ndarray]] | None,
                  output: ModelRunnerOutput | None = None, on_ready: Callable[[np.ndarray], None] | None = None,
-                 keep_alive: Any = None, pending_masks: DeferredMasks | None = None) -> None:
+                 keep_alive: Any = None) -> None:
         self._future = future
         self._output = output
         self._on_ready = on_ready
         self._keep_alive = keep_alive
-        self._pending_masks = pending_masks
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
@@ -63,9 +62,8 @@ class AsyncModelRunnerOutput:
         if self._output is None:
             assert self._future is not None
             self._output, sampled = self._future.result()
-            self._output.pending_masks = self._pending_masks
             self._future = None
-            self._keep_alive = self._pending_masks = None
+            self._keep_alive = None
             if self._on_ready is not None:
                 self._on_ready(sampled)
                 self._on_ready = None
@@ -159,11 +157,10 @@ class AsyncOutputCopier:
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
             output, sampled_np = _build_output(event, *args, self.timer)
-            output.pending_masks = deferred
             on_ready(sampled_np)
             return AsyncModelRunnerOutput.ready(output)
         future = self._executor.submit(_build_output, event, *args, self.timer)
-        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive, deferred)
+        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
 
     def _lending_slot(self) -> HostStagingSlot | None:
         """A lending slot that no step uses and no output views (a new one while there are fewer than
@@ -262,9 +259,10 @@ _MAX_DEVICE_GAP_S = 1.0
 
 def _add_device_times(timer: Any, prev_end: torch.cuda.Event | None, start: torch.cuda.Event,
                       end: torch.cuda.Event) -> None:
-    """`dev.step`: the step's device work from its first operation to its last (compute stream); `dev.gap`: the
-    compute stream idle between the previous step's last operation and this step's first, i.e. the device
-    waiting for the host to launch. Called once the step's copies are done (so `end` has completed)."""
+    """`dev.step`: the step's device work from its forward to its sampler's last operation (compute stream);
+    `dev.gap`: the compute stream idle between the previous step's last operation and this step's forward, i.e.
+    the device waiting for the host (and the step's input copies). Called once the step's copies are done (so
+    `end` has completed)."""
     timer.add("dev.step", start.elapsed_time(end) / 1e3)
     if prev_end is not None:
         gap = prev_end.elapsed_time(start) / 1e3
@@ -297,7 +295,7 @@ def _build_lists(event: torch.cuda.Event | None, req_ids: list[str], samples: np
         text = mask_copy.text_lists(masks)
     output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
-                               sampling_mask_text=text)
+                               sampling_mask_text=text, pending_masks=deferred)
     if timer is not None:
         timer.add("out.event", t1 - t0)
         timer.add("out.lists", time.perf_counter() - t1)

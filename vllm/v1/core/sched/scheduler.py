@@ -384,12 +384,12 @@ class Scheduler:
             out_index = out_index.astype(np.int64, copy=False)
             if len(out_index):
                 top_k = np.array([out_reqs[r].sampling_params.top_k for r in out_index.tolist()], dtype=np.int64)
+                cu = None if sampling_masks is None else sampling_masks.cu_num_generated_tokens
+                positions = (out_index, _first_positions(cu, rows[out_index]), nums[out_index])
                 if sampling_masks is None:
-                    step_masks = PendingStepMasks(pending_masks, out_index, rows[out_index], nums[out_index], top_k)
+                    step_masks = PendingStepMasks(pending_masks, *positions, top_k)
                 else:
-                    step_masks = StepMasks(sampling_masks, model_runner_output.sampling_mask_text, out_index,
-                                           _first_positions(sampling_masks.cu_num_generated_tokens,
-                                                            rows[out_index]), nums[out_index])
+                    step_masks = StepMasks(sampling_masks, model_runner_output.sampling_mask_text, *positions)
                     mask_sizes, num_overflow_rows = step_mask_stats(step_masks, top_k)
         return step_logprobs, step_masks, mask_sizes, num_overflow_rows
 
