@@ -48,9 +48,9 @@ for s in $stages; do
       python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/v1/worker/test_mixed_cudagraph.py \
         tests/v1/worker/test_cudagraph.py ${TEST_PATHS:-} 2>&1 | tee "$OUT/mixed_tests_full.txt" | tail -15
       VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/mixed_ab" \
-        --arms no-mask no-mask+VLLM_MIXED_CUDA_GRAPH=1 no-mask+VLLM_MIXED_CUDA_GRAPH=1+VLLM_SAMPLER_GRAPH_MIXED=1 \
+        --arms no-mask mask no-mask+VLLM_MIXED_CUDA_GRAPH=1 no-mask+VLLM_MIXED_CUDA_GRAPH=1+VLLM_SAMPLER_GRAPH_MIXED=1 \
         mask+VLLM_MIXED_CUDA_GRAPH=1+VLLM_SAMPLER_GRAPH_MIXED=1 --concurrencies 512 1024 \
-        --mask-check count --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 260 2>&1 \
+        --mask-check count --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 300 2>&1 \
         | grep --line-buffered -v Warning | tee "$OUT/mixed_ab.txt"
       VLLM_MIXED_CUDA_GRAPH=1 VLLM_SAMPLER_GRAPH_MIXED=1 python3 benchmarks/benchmark_throughput.py \
         --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
