@@ -96,6 +96,13 @@ for s in $stages; do
           --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 120 $args 2>&1 \
           | grep --line-buffered -v Warning | tee "$OUT/contention_$name.txt"
       done ;;
+    mixed_decide)  # whether to turn the mixed-step graphs on: no mask / mask, each without and with mixed forward
+      # graphs + sampler graphs for steps with prefills, 256-1024 streams, two rounds (arm order reversed) (~8 min)
+      both=VLLM_MIXED_CUDA_GRAPH=1+VLLM_SAMPLER_GRAPH_MIXED=1
+      VLLM_ENGINE_STEP_TIMING=1 python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/mixed_decide" \
+        --arms no-mask mask no-mask+$both mask+$both --rounds 2 --concurrencies 256 512 1024 \
+        --mask-check count --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 500 2>&1 \
+        | grep --line-buffered -v Warning | tee "$OUT/mixed_decide.txt" ;;
     acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (CAB CBA), medians (~8 min)
       VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/acceptance" \
         --arms no-mask mask pre-change --rounds 2 --lead-arm pre-change --level-timeout 20 --num-prompts-per-concurrency 4 --budget-s 480 \
