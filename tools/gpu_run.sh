@@ -103,6 +103,16 @@ for s in $stages; do
         --arms no-mask mask no-mask+$both mask+$both --rounds 2 --concurrencies 256 512 1024 \
         --mask-check count --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 500 2>&1 \
         | grep --line-buffered -v Warning | tee "$OUT/mixed_decide.txt" ;;
+    flip_check)  # with the mixed-step graphs on by default: the graph tests (mixed + sampler graphs against eager
+      # runners), then offline no-mask throughput at 512 requests with both switches off and on, ABBA (~4 min)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/v1/worker/test_mixed_cudagraph.py \
+        tests/v1/worker/test_cudagraph.py 2>&1 | tee "$OUT/flip_tests_full.txt" | tail -5
+      for a in 0 1 1 0; do
+        VLLM_MIXED_CUDA_GRAPH=$a VLLM_SAMPLER_GRAPH_MIXED=$a python3 benchmarks/benchmark_throughput.py \
+          --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
+          --max-num-seqs 512 --num-prompts 512 --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 \
+          --top-k 512 2>&1 | grep -v Warning | tail -1 | sed "s/^/mixed_graphs=$a: /" | tee -a "$OUT/flip_offline.txt"
+      done ;;
     acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (CAB CBA), medians (~8 min)
       VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/acceptance" \
         --arms no-mask mask pre-change --rounds 2 --lead-arm pre-change --level-timeout 20 --num-prompts-per-concurrency 4 --budget-s 480 \

@@ -51,12 +51,12 @@ _VARS = {
     # Capture the LM head + sampler of graphed decode steps as CUDA graphs (vllm/v1/worker/cudagraph.py); 0 runs
     # them eagerly (for comparisons).
     "VLLM_SAMPLER_CUDA_GRAPH": lambda: _bool("VLLM_SAMPLER_CUDA_GRAPH", True),
-    # Performance work: capture mixed prefill+decode steps as CUDA graphs, padded to fixed token counts
-    # (vllm/v1/worker/cudagraph.py; CUDA graphs on and the Triton backend only); not yet measured on a GPU.
-    "VLLM_MIXED_CUDA_GRAPH": lambda: _bool("VLLM_MIXED_CUDA_GRAPH", False),
-    # Performance work only: steps with prefills (eager forward) run their logits + sampler as the sampler CUDA graph
-    # of their padded request count, over the requests' last hidden states (vllm/v1/worker/model_runner.py).
-    "VLLM_SAMPLER_GRAPH_MIXED": lambda: _bool("VLLM_SAMPLER_GRAPH_MIXED", False),
+    # Capture mixed prefill+decode steps as CUDA graphs, padded to fixed token counts (vllm/v1/worker/cudagraph.py;
+    # CUDA graphs on and the Triton backend only); 0 runs them eagerly (measured in docs/benchmarks.md).
+    "VLLM_MIXED_CUDA_GRAPH": lambda: _bool("VLLM_MIXED_CUDA_GRAPH", True),
+    # Steps with prefills run their logits + sampler as the sampler CUDA graph of their padded request count, over
+    # the requests' last hidden states (vllm/v1/worker/model_runner.py); 0 samples them eagerly.
+    "VLLM_SAMPLER_GRAPH_MIXED": lambda: _bool("VLLM_SAMPLER_GRAPH_MIXED", True),
     # Performance work only: the engine-core process's GIL switch interval in ms (sys.setswitchinterval; unset:
     # Python's 5 ms). Its main thread shares the GIL with the output thread (docs/benchmarks.md).
     "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": lambda: _float("VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS"),

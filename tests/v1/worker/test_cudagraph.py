@@ -166,6 +166,9 @@ def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float
     ref, _ = _runner("cpu", **kwargs)
     padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
     padded.pad_eager_decode = True
+    # NOTE: the prefill step samples unpadded, as the reference's does (the padded sampler of steps with prefills
+    # draws for more rows, so with top_p the first decode step's context could differ; its own tests are below).
+    padded.sample_mixed_graphed = False
     padded.sampler_graphs = SamplerGraphs([2, 4], capture=False)
     calls: list[int] = []
     run = padded.sampler_graphs.run
@@ -195,6 +198,9 @@ def test_sampler_graph_matches_eager(top_k: int, top_p: float) -> None:
     eager, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
     graphs, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
     eager.sampler_graphs = None
+    # NOTE: the prefill step samples eagerly in both runners (see test_padded_sampler_matches_unpadded); the
+    # sampler graphs of steps with prefills have their own test below.
+    graphs.sample_mixed_graphed = False
     for runner in (eager, graphs):
         runner.capture_model()
     assert graphs.sampler_graphs is not None
@@ -407,6 +413,43 @@ def test_padded_sampler_of_prefill_steps_matches_unpadded() -> None:
     assert got[0].sampled_token_ids[got[0].req_id_to_index["r1"]] == []  # the partial chunk
     # Tokens, logprobs and masks of every sampling request, per step (the partial chunk's row is empty).
     _assert_same_sampled(got, want)
+
+
+def test_padded_sampler_of_prefill_steps_top_p_masks() -> None:
+    """VLLM_SAMPLER_GRAPH_MIXED with top_k=4, top_p=0.9 (the setting RL rollouts use): the first step's masks and
+    top logprobs depend on the logits only, not on the draw, so they equal the unpadded sampler's; every sampled
+    token lies in its mask. (The draws differ: the padded sampler draws for the padding rows too.)"""
+    params = SamplingParams(temperature=1.0, top_k=4, top_p=0.9, logprobs=1, max_tokens=16, ignore_eos=True)
+    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
+    ref, _ = _runner("cpu", **kwargs)
+    padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
+    padded.pad_eager_decode = True
+    padded.sampler_graphs = SamplerGraphs([2, 4], capture=False)
+    assert padded.sample_mixed_graphed  # the default
+    calls: list[int] = []
+    run = padded.sampler_graphs.run
+    padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
+    got, want = _prefill_steps(padded, params), _prefill_steps(ref, params)
+    assert calls == [4, 4, 4]
+    g, w = got[0], want[0]
+    assert sorted(g.req_ids) == sorted(w.req_ids)
+    for r in g.req_ids:
+        j, k = g.req_id_to_index[r], w.req_id_to_index[r]
+        gm, wm = g.sampling_masks, w.sampling_masks
+        mask = gm.token_ids[gm.offsets[j]:gm.offsets[j + 1]].tolist()
+        assert mask == wm.token_ids[wm.offsets[k]:wm.offsets[k + 1]].tolist()
+        if r == "r1":  # the partial chunk
+            assert mask == [] and g.sampled_token_ids[j] == []
+            continue
+        assert 1 <= len(mask) <= 4 and g.sampled_token_ids[j][0] in mask
+        assert g.logprobs.logprob_token_ids[j].tolist()[1] == w.logprobs.logprob_token_ids[k].tolist()[1]
+        assert g.logprobs.logprobs[j].tolist()[1] == pytest.approx(w.logprobs.logprobs[k].tolist()[1], abs=1e-5)
+    for out in got:
+        masks = out.sampling_masks
+        for r in out.req_ids:
+            j = out.req_id_to_index[r]
+            if out.sampled_token_ids[j]:
+                assert out.sampled_token_ids[j][0] in masks.token_ids[masks.offsets[j]:masks.offsets[j + 1]].tolist()
 
 
 def _assert_same_sampled(got: list[Any], want: list[Any]) -> None:

@@ -24,9 +24,10 @@ Invariants:
 Mixed steps (prefills and decodes, total tokens != num_reqs) are padded to a fixed shape, T tokens of the
 smallest mixed size >= the step's tokens (`resolve_mixed_capture_sizes`: multiples of 256 and the token budget)
 and R = max_num_seqs + 1 request rows (input_prep.py: padding requests on the scratch block hold the surplus
-tokens, the other surplus rows have zero tokens), and run as one forward graph per T when VLLM_MIXED_CUDA_GRAPH=1
-and CUDA graphs are on (ModelRunner.use_mixed_cuda_graph; off by default). A step larger than every size runs
-unpadded and eagerly. The logits and the sampler of a mixed step stay eager, on the real rows' last tokens.
+tokens, the other surplus rows have zero tokens), and run as one forward graph per T when CUDA graphs are on
+(ModelRunner.use_mixed_cuda_graph; VLLM_MIXED_CUDA_GRAPH=0 turns it off). A step larger than every size runs
+unpadded and eagerly. The logits and the sampler of a mixed step run on the real rows' last tokens: as the
+sampler graph of the padded request count (VLLM_SAMPLER_GRAPH_MIXED, model_runner.py), or eagerly.
 - Capture (ModelRunner.capture_model): the mixed sizes first, largest first, each on
   InputBuffers.fill_dummy_mixed(T, R) running ModelRunner._mixed_forward(T) (the model on input_ids[:T],
   positions[:T] under InputBuffers.mixed_metadata(T, R)); then the decode sizes into the same pool, so the pool
@@ -43,18 +44,15 @@ unpadded and eagerly. The logits and the sampler of a mixed step stay eager, on 
   gap); no reserve is taken when kv_cache_memory_bytes or num_gpu_blocks_override sets the cache size.
 - Graphs in one pool may reuse each other's freed memory: a graph's static output is valid only until another
   graph of the pool replays, which holds because each step consumes its forward's output before the next step's
-  forward is launched on the same stream.
-NOTE (untested on a GPU; everything above ran on CPU only, the mixed graphs through a stand-in that re-runs the
-captured function at replay, tests/v1/worker/test_mixed_cudagraph.py): that capture works (Triton attention at
-max_query_len = T, one split; the fused layer kernels), that replays give the eager tokens, logprobs and masks,
-the memory reserve against the pool's real size (logged at capture), the capture time (32 sizes at a budget of
-8192 tokens), and whether the saved launch overhead beats the padded tokens' FLOPs (up to 255 tokens per step)
-and R * num_kv_heads idle attention programs (small chunked-prefill steps among many decodes should gain most;
-finer sizes below 256 may pay). The GPU session runs:
-  PACK=1 TEST_PATHS="tests/v1/worker" bash tools/gpu_run.sh info tests   (the CUDA tests, switch set by them)
-  PACK=1 bash tools/gpu_run.sh throughput throughput_mixed   (offline, without and with VLLM_MIXED_CUDA_GRAPH=1)
-  PACK=1 bash tools/gpu_run.sh ab; VLLM_MIXED_CUDA_GRAPH=1 PACK=1 bash tools/gpu_run.sh ab   (serving, step timing)
-and turns the switch on by default only if both measurements gain.
+  forward is launched on the same stream. A decode graph's static output may lie in memory a mixed graph's
+  intermediates use: the sampler graph of a mixed step gets its last hidden states copied into it after the
+  mixed forward has replayed, on the same stream.
+Measured on an H200 (docs/benchmarks.md, "2026-12-03, fourth session"): the CUDA tests of this module and of
+tests/v1/worker/test_mixed_cudagraph.py pass (real graphs against eager runners; the memory capture takes against
+the reserve); with the sampler graphs of steps with prefills (model_runner.py) the serving A/B gains 3-5% at 256
+and 512 streams and ~1% at 1024 in both rounds, offline +3.3% at 512 requests (ABBA); so both are on by default
+(VLLM_MIXED_CUDA_GRAPH=0 / VLLM_SAMPLER_GRAPH_MIXED=0 turn them off). Not measured: the capture time and reserve
+at larger token budgets, finer sizes than multiples of 256.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ host/device buffers (input_prep.py): request i's scheduled tokens are rows query
 of the flat batch. Only rows whose scheduled tokens reach the end of their known tokens sample; a partial prefill
 chunk produces no token, no logprobs and an empty sampling-mask row.
 
-Step shape: prepare inputs (H2D copies) -> forward (a CUDA graph for pure-decode steps, and with
-VLLM_MIXED_CUDA_GRAPH=1 for mixed steps padded to a captured token count, cudagraph.py) -> logits
+Step shape: prepare inputs (H2D copies) -> forward (a CUDA graph for pure-decode steps, and for mixed
+steps padded to a captured token count unless VLLM_MIXED_CUDA_GRAPH=0, cudagraph.py) -> logits
 -> sampler (with the logits and the mask's host-copy packing, a second CUDA graph for those steps) -> outputs
 start their way to the host (async_output.py). `execute_model_async` returns before the outputs are on the host;
 the sampled ids stay on the device and feed the next step's input ids directly, so the next step can be launched
@@ -20,8 +20,9 @@ Invariants:
   are chosen real rows first (stable order), so padding can never take a fallback slot from a real row.
 - A mixed step padded to T tokens (a mixed CUDA graph's size, or pad_eager_mixed in tests) runs its forward
   over all T tokens and max_num_seqs + 1 request rows; its logits and sampler run on the real requests' last
-  tokens only, as an unpadded step's do (eagerly, or as a sampler graph with VLLM_SAMPLER_GRAPH_MIXED, below).
-- With VLLM_SAMPLER_GRAPH_MIXED a step with prefills (eager forward, num_reqs <= the largest capture size)
+  tokens only, as an unpadded step's do (as a sampler graph, below, or eagerly with VLLM_SAMPLER_GRAPH_MIXED=0).
+- Unless VLLM_SAMPLER_GRAPH_MIXED=0, a step with prefills (mixed graph or eager forward, num_reqs <= the largest
+  capture size)
   samples the same way: its requests' last hidden states, then zero rows, go into the decode forward graph's
   static output of B = the padded request count, and the sampler graph of B runs over them; rows that do not
   sample this step (partial prefill chunks) are sampled too and dropped, as in the eager sampler.
@@ -99,7 +100,7 @@ class ModelRunner:
         # NOTE: tests set this to run decode steps padded exactly as for a CUDA graph, but eagerly (e.g. on CPU).
         self.pad_eager_decode = False
         # Forward graphs of mixed steps (prefills among decodes), padded to the smallest size that holds their
-        # tokens and to max_num_seqs + 1 rows; captured only with VLLM_MIXED_CUDA_GRAPH=1 (use_mixed_cuda_graph).
+        # tokens and to max_num_seqs + 1 rows; captured unless VLLM_MIXED_CUDA_GRAPH=0 (use_mixed_cuda_graph).
         self.mixed_graphs = CudaGraphManager(
             resolve_mixed_capture_sizes(None, self.max_num_tokens, self.max_model_len), kind="mixed")
         self._mixed_graphs_requested = envs.VLLM_MIXED_CUDA_GRAPH
@@ -109,7 +110,7 @@ class ModelRunner:
         self.mixed_graph_bytes = 0
         # NOTE: tests set this to run mixed steps padded exactly as for a mixed graph, but eagerly (e.g. on CPU).
         self.pad_eager_mixed = False
-        # VLLM_SAMPLER_GRAPH_MIXED (an experiment, off by default): steps with prefills sample as sampler graphs.
+        # VLLM_SAMPLER_GRAPH_MIXED (on by default): steps with prefills sample as sampler graphs.
         self.sample_mixed_graphed = envs.VLLM_SAMPLER_GRAPH_MIXED
         # Logits + sampler of graphed decode steps (VLLM_SAMPLER_CUDA_GRAPH=0: eager); tests that wrap the sampler
         # set it to None, or to SamplerGraphs(capture=False) to run the padded sampler eagerly.
