@@ -107,3 +107,49 @@ def test_compact_candidates_matches_reference(use_kernel: bool, monkeypatch: pyt
         n = min(len(kept), num_kept)
         assert token_ids[r, :n].tolist() == kept[:n].tolist()
     assert counts[2] == num_cand and counts[3] == 0 and counts[1] == 0
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_compaction_into_rows_writes_only_hit_rows(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compact_sampling_mask_into (the sampler's general path writing its recomputed rows into the fast path's
+    mask): sub-batch row i lands in batch row rows[i] only where hit[i], reading that batch row's num_sampled;
+    every other batch row keeps its ids, count and bitmask bytes. Against a numpy reference; the Triton kernels
+    (compiled on CUDA, interpreted on CPU) and the torch ops of CPU runs without the interpreter."""
+    import triton
+
+    from vllm.v1.sample.sampling_mask import SamplingMaskTensors, compact_sampling_mask_into
+    if not kernel:
+        if DEVICE == "cuda":
+            pytest.skip("the torch ops run only on CPU tensors outside the interpreter")
+        monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    num_reqs, vocab, k = 6, CHUNK + 37, 5
+    sizes = [3, 9, 0, 4, 2]  # the sub-batch's supports; 9 > K overflows to the bitmask
+    logits = make_logits(len(sizes), vocab, sizes, seed=11)
+    rows = torch.tensor([4, 0, 2, 5, 1])  # batch row of each sub-batch row
+    hit = torch.tensor([True, True, False, True, True])
+    mask_rows = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int32)  # batch row 5 wants no mask
+    # The batch's mask before: recognisable values in every row.
+    token_ids = torch.arange(num_reqs * k, dtype=torch.int32).view(num_reqs, k) + 1000
+    counts = torch.full((num_reqs,), 3, dtype=torch.int32)
+    packed = torch.full((num_reqs, (vocab + 7) // 8), 0xA5, dtype=torch.uint8)
+    before = (token_ids.clone(), counts.clone(), packed.clone())
+    dst = SamplingMaskTensors(token_ids.to(DEVICE), packed.to(DEVICE), counts.to(DEVICE), vocab)
+    compact_sampling_mask_into(logits.to(DEVICE), mask_rows.to(DEVICE), dst, rows.to(DEVICE), hit.to(DEVICE))
+
+    got_ids, got_counts, got_packed = dst.token_ids.cpu(), dst.counts.cpu(), dst.packed_mask.cpu()
+    written = {int(r) for r, h in zip(rows, hit) if h}
+    assert written == {4, 0, 5, 1}
+    for r in range(num_reqs):
+        if r not in written:  # batch rows 2 (not hit) and 3 (not in the sub-batch) untouched
+            assert torch.equal(got_ids[r], before[0][r]) and got_counts[r] == before[1][r]
+            assert torch.equal(got_packed[r], before[2][r])
+    for i, r in enumerate(rows.tolist()):
+        if not hit[i]:
+            continue
+        keep = np.isfinite(logits[i].numpy()) & bool(mask_rows[r] > 0)
+        assert got_counts[r] == keep.sum()
+        np.testing.assert_array_equal(got_packed[r].numpy(), np.packbits(keep, bitorder="little"))
+        expected = np.nonzero(keep)[0][:k]
+        np.testing.assert_array_equal(got_ids[r, :len(expected)].numpy(), expected)
+    assert got_counts[5] == 0  # mask not wanted: empty even though its logits keep 2 ids
+    assert got_counts[0] == 9  # overflow row: the full count, its bitmask row written

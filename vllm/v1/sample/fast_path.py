@@ -34,7 +34,7 @@ from vllm.v1.sample.ops.logprobs import gather_logprobs
 from vllm.v1.sample.ops.mask_compaction import compact_candidates
 from vllm.v1.sample.ops.topk_select import select_top_k_candidates
 from vllm.v1.sample.ops.topk_topp import SAMPLING_EPS, process_logits, top_p_cut_value
-from vllm.v1.sample.sampling_mask import MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask
+from vllm.v1.sample.sampling_mask import MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask_into
 
 _NEG_INF = float("-inf")
 MAX_FALLBACK_ROWS = 8
@@ -225,7 +225,4 @@ def _general_rows(logits: torch.Tensor, md: SamplingMetadata, logprobs_mode: str
         for dst, src in zip(logprobs, gather_logprobs(values, md.max_num_logprobs, tokens)):
             merge(dst, src)
     if mask is not None and md.sampling_mask_rows is not None:
-        part = compact_sampling_mask(processed, md.sampling_mask_rows.to(device)[index], mask.token_ids.shape[1])
-        merge(mask.token_ids, part.token_ids)
-        merge(mask.counts, part.counts)
-        merge(mask.packed_mask, part.packed_mask)
+        compact_sampling_mask_into(processed, md.sampling_mask_rows, mask, index, hit)

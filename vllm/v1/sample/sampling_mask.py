@@ -127,6 +127,26 @@ def compact_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor, max_n
     return SamplingMaskTensors(token_ids, packed_mask, counts, vocab_size)
 
 
+def compact_sampling_mask_into(logits: torch.Tensor, mask_rows: torch.Tensor, dst: SamplingMaskTensors,
+                               rows: torch.Tensor, hit: torch.Tensor) -> None:
+    """Recompute the support of rows `rows` ([n] int64 batch rows) from their processed `logits` ([n, V]) into
+    `dst` (the batch's mask, [num_reqs, K]) in place, only where `hit` ([n] bool); `mask_rows` ([num_reqs] int)
+    is the batch's num_sampled. Rows of `dst` not written keep what they hold. On CUDA (and under the Triton
+    interpreter) the two chunked launches write the rows directly (no gather, select and scatter per output)."""
+    num_kept = dst.token_ids.shape[1]
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    device = logits.device
+    if logits.is_cuda or triton.knobs.runtime.interpret:
+        compact_sampling_mask_chunked(logits, mask_rows.to(device=device, dtype=torch.int32), dst.token_ids,
+                                      dst.packed_mask, dst.counts, dst_rows=rows.to(torch.int64), hit=hit)
+        return
+    part = compact_sampling_mask(logits, mask_rows.to(device)[rows], num_kept)
+    for out, new in ((dst.token_ids, part.token_ids), (dst.counts, part.counts), (dst.packed_mask, part.packed_mask)):
+        keep_new = hit.view(-1, *([1] * (new.dim() - 1)))
+        out[rows] = torch.where(keep_new, new.to(out.dtype), out[rows])
+
+
 def _compact_sampling_mask_torch(logits: torch.Tensor, num_sampled: torch.Tensor, token_ids: torch.Tensor,
                                  packed_mask: torch.Tensor, counts: torch.Tensor) -> None:
     # NOTE: for CPU tensors outside the Triton interpreter (the CPU engine); same outputs as the kernel.

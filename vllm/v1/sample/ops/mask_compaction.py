@@ -35,12 +35,19 @@ def _pack_count_kernel(
     chunk_counts_ptr,  # [num_reqs, num_chunks] int32
     num_chunks,
     vocab_size,
+    dst_rows_ptr,  # HAS_DST: [num_reqs] int64, the output row of each logits row
+    hit_ptr,  # HAS_DST: [num_reqs] bool, whether that row is written at all
     CHUNK: tl.constexpr,
+    HAS_DST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    dst, write = row, row >= 0  # write: a scalar bool tensor (True) unless HAS_DST
+    if HAS_DST:
+        dst = tl.load(dst_rows_ptr + row).to(tl.int64)
+        write = tl.load(hit_ptr + row) != 0
     # A row that sampled nothing keeps nothing: its loads are all masked off.
-    limit = tl.where(tl.load(num_sampled_ptr + row) > 0, vocab_size, 0)
+    limit = tl.where(tl.load(num_sampled_ptr + dst) > 0, vocab_size, 0)
     shifts = tl.arange(0, 8)[None, :]
     byte_ids = chunk * (CHUNK // 8) + tl.arange(0, CHUNK // 8)
     # The chunk loaded as [CHUNK/8, 8]: each output byte's 8 flags sit in one tile row, so the packing is a sum
@@ -52,8 +59,8 @@ def _pack_count_kernel(
     flags = ((tl.abs(x) < float("inf")) & live).to(tl.int32)
     count = tl.sum(tl.sum(flags, axis=1), axis=0)
     packed = tl.sum(flags << shifts, axis=1)  # [CHUNK // 8]
-    tl.store(packed_mask_ptr + row * packed_mask_stride + byte_ids, packed.to(tl.uint8),
-             mask=byte_ids < (vocab_size + 7) // 8)
+    tl.store(packed_mask_ptr + dst * packed_mask_stride + byte_ids, packed.to(tl.uint8),
+             mask=byte_ids < tl.where(write, (vocab_size + 7) // 8, 0))
     tl.store(chunk_counts_ptr + row * num_chunks + chunk, count)
 
 
@@ -68,21 +75,30 @@ def _compact_kernel(
     counts_ptr,  # [num_reqs] int32
     vocab_size,
     K,
+    dst_rows_ptr,  # HAS_DST: [num_reqs] int64, the output row of each row
+    hit_ptr,  # HAS_DST: [num_reqs] bool, whether that row is written at all
     CHUNK: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
+    HAS_DST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    dst, write = row, row >= 0  # write: a scalar bool tensor (True) unless HAS_DST
+    if HAS_DST:
+        dst = tl.load(dst_rows_ptr + row).to(tl.int64)
+        write = tl.load(hit_ptr + row) != 0
     c = tl.arange(0, MAX_CHUNKS)
     counts = tl.load(chunk_counts_ptr + row * num_chunks + c, mask=c < num_chunks, other=0)
     start = tl.sum(tl.where(c < chunk, counts, 0), axis=0)
     if chunk == 0:
-        tl.store(counts_ptr + row, tl.sum(counts, axis=0))
-    if start < K:
+        tl.store(counts_ptr + dst, tl.sum(counts, axis=0), mask=write)
+    # NOTE: a row not to be written has no slots.
+    num_slots = tl.where(write, K, 0)
+    if start < num_slots:
         # NOTE: the chunk stays a [CHUNK/8, 8] tile (byte, bit): the exclusive prefix sum runs over the bytes'
         # popcounts and, inside each byte, over 8 bits, so no [CHUNK] scan or reshape is needed.
         byte_ids = chunk * (CHUNK // 8) + tl.arange(0, CHUNK // 8)
-        packed = tl.load(packed_mask_ptr + row * packed_mask_stride + byte_ids,
+        packed = tl.load(packed_mask_ptr + dst * packed_mask_stride + byte_ids,
                          mask=byte_ids < (vocab_size + 7) // 8, other=0).to(tl.int32)
         shifts = tl.arange(0, 8)[None, :]
         flags = (packed[:, None] >> shifts) & 1  # [CHUNK // 8, 8]
@@ -90,41 +106,51 @@ def _compact_kernel(
         byte_start = start + tl.cumsum(per_byte, axis=0) - per_byte
         slots = byte_start[:, None] + tl.cumsum(flags, axis=1) - flags  # [CHUNK // 8, 8]
         ids = byte_ids[:, None] * 8 + shifts
-        tl.store(token_ids_ptr + row * token_ids_stride + slots, ids.to(tl.int32), mask=(flags > 0) & (slots < K))
+        tl.store(token_ids_ptr + dst * token_ids_stride + slots, ids.to(tl.int32), mask=(flags > 0) & (slots < num_slots))
 
 
 def compact_sampling_mask_chunked(logits: torch.Tensor, num_sampled: torch.Tensor, token_ids: torch.Tensor,
                                   packed_mask: torch.Tensor, counts: torch.Tensor, chunk: int = CHUNK,
-                                  num_warps: int = NUM_WARPS) -> None:
+                                  num_warps: int = NUM_WARPS, dst_rows: torch.Tensor | None = None,
+                                  hit: torch.Tensor | None = None) -> None:
     """Fill token_ids [R, K] int32, packed_mask [R, ceil(V/8)] uint8 and counts [R] int32 from logits [R, V].
 
-    `chunk` and `num_warps` select the first launch's tiling (benchmarks compare them)."""
+    `chunk` and `num_warps` select the first launch's tiling (benchmarks compare them).
+    With `dst_rows` ([n] int64) and `hit` ([n] bool), logits is [n, V] and its row i goes to row dst_rows[i] of
+    the outputs (and reads num_sampled there), only where hit[i]; the outputs' other rows are left as they are
+    (the sampler's general path writes its recomputed rows into the fast path's mask this way)."""
     if logits.shape[0] == 0:
         return
-    chunk_counts = launch_pack_count(logits, num_sampled, packed_mask, chunk, num_warps)
-    launch_compact(packed_mask, chunk_counts, token_ids, counts, logits.shape[1], chunk)
+    chunk_counts = launch_pack_count(logits, num_sampled, packed_mask, chunk, num_warps, dst_rows, hit)
+    launch_compact(packed_mask, chunk_counts, token_ids, counts, logits.shape[1], chunk, dst_rows=dst_rows,
+                   hit=hit)
 
 
 def launch_pack_count(logits: torch.Tensor, num_sampled: torch.Tensor, packed_mask: torch.Tensor,
-                      chunk: int = CHUNK, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                      chunk: int = CHUNK, num_warps: int = NUM_WARPS, dst_rows: torch.Tensor | None = None,
+                      hit: torch.Tensor | None = None) -> torch.Tensor:
     """First launch: the bitmask and [R, num_chunks] int32 keep counts per chunk (returned)."""
     num_reqs, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, chunk)
     chunk_counts = torch.empty(num_reqs, num_chunks, dtype=torch.int32, device=logits.device)
+    has_dst = dst_rows is not None and hit is not None
     _pack_count_kernel[(num_reqs, num_chunks)](
         logits, logits.stride(0), num_sampled, packed_mask, packed_mask.stride(0), chunk_counts, num_chunks,
-        vocab_size, CHUNK=chunk, num_warps=num_warps)
+        vocab_size, dst_rows if has_dst else num_sampled, hit if has_dst else num_sampled, CHUNK=chunk,
+        HAS_DST=has_dst, num_warps=num_warps)
     return chunk_counts
 
 
 def launch_compact(packed_mask: torch.Tensor, chunk_counts: torch.Tensor, token_ids: torch.Tensor,
-                   counts: torch.Tensor, vocab_size: int, chunk: int = CHUNK, num_warps: int = 4) -> None:
+                   counts: torch.Tensor, vocab_size: int, chunk: int = CHUNK, num_warps: int = 4,
+                   dst_rows: torch.Tensor | None = None, hit: torch.Tensor | None = None) -> None:
     """Second launch: ascending ids into token_ids[:, :K] and the full counts, from the bitmask."""
     num_reqs, num_chunks = chunk_counts.shape
+    has_dst = dst_rows is not None and hit is not None
     _compact_kernel[(num_reqs, num_chunks)](
-        packed_mask, packed_mask.stride(0), chunk_counts, num_chunks, token_ids, token_ids.stride(0), counts,
-        vocab_size, token_ids.shape[1], CHUNK=chunk, MAX_CHUNKS=triton.next_power_of_2(num_chunks),
-        num_warps=num_warps)
+        packed_mask, packed_mask.stride(0), chunk_counts, num_chunks, token_ids, max(token_ids.stride(0), 1),
+        counts, vocab_size, token_ids.shape[1], dst_rows if has_dst else counts, hit if has_dst else counts,
+        CHUNK=chunk, MAX_CHUNKS=triton.next_power_of_2(num_chunks), HAS_DST=has_dst, num_warps=num_warps)
 
 
 @triton.jit
