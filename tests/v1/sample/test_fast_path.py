@@ -255,3 +255,34 @@ def test_select_falls_back_to_torch_when_the_kernel_cannot_compile(monkeypatch: 
     assert torch.equal(got.counts, want.counts)
     for r, n in enumerate(want.counts.tolist()):
         assert torch.equal(got.token_ids[r, :n], want.token_ids[r, :n])
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits", "raw_logprobs", "raw_logits"])
+def test_bf16_logits_give_the_float32_results(mode: str, select_impl: bool) -> None:
+    """The sampler fed the model's bf16 logits (the fast path reads them as they are) gives bit for bit what it
+    gives on their float32 conversion: tokens, logprobs, ranks and masks, with greedy, seeded and unseeded rows,
+    min-p, top-p, and rows that take the general path (ties past C, NaN); the generators advance alike."""
+    lp = bf16_logits(6, 9)
+    lp[1, 50:200] = 12.0  # 150 ties at the top, k=10: past C -> general path
+    lp[4, 3] = float("nan")  # -> general path
+    low = lp.to(torch.bfloat16)
+    torch.testing.assert_close(low.float(), lp, rtol=0, atol=0, equal_nan=True)
+    temperature, top_k = [1.0, 0.7, 0.0, 1.3, 1.0, 0.9], [20, 10, 5, 64, 8, 33]
+    top_p, min_p = [0.9, 1.0, 0.8, 0.95, 1.0, 0.5], [0.0, 0.0, 0.1, 0.02, 0.0, 0.0]
+    outs, states = [], []
+    for logits in (low, lp):
+        torch.manual_seed(1234)  # the unseeded rows' draws
+        gens = {r: torch.Generator(device=DEVICE).manual_seed(40 + r) for r in (0, 3, 4)}
+        md = _to_device(make_metadata(6, V, temperature, top_k, top_p, min_p, generators=gens, max_num_logprobs=3,
+                                      mask=True))
+        outs.append(Sampler(mode)(logits.to(DEVICE), md))
+        states.append([g.get_state() for g in gens.values()])
+    got, want = outs
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    assert got.sampled_token_ids.tolist() == want.sampled_token_ids.tolist()
+    assert supports(got) == supports(want)
+    assert got.sampling_mask.counts.tolist() == want.sampling_mask.counts.tolist()
+    for a, b in zip(got.logprobs_tensors, want.logprobs_tensors):
+        assert a.dtype == b.dtype, mode
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0, equal_nan=True)  # bit for bit (NaN row: NaN)
+    assert supports(got)[1] == list(range(50, 200))  # the tie row went through the general path

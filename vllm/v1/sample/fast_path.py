@@ -53,7 +53,8 @@ def num_candidates(md: SamplingMetadata, vocab_size: int) -> int:
 def sample_fast(logits: torch.Tensor, md: SamplingMetadata, logprobs_mode: str,
                 raw_values: torch.Tensor | None,
                 ) -> tuple[torch.Tensor, LogprobsTensors | None, SamplingMaskTensors | None]:
-    """logits: [num_reqs, V] float32 -> (sampled [num_reqs] int64, logprobs, mask); see the module docstring.
+    """logits: [num_reqs, V] float32, bf16 or fp16 (read as their exact float32 values) -> (sampled [num_reqs]
+    int64, logprobs, mask); see the module docstring.
 
     raw_values: the full-vocabulary values of the raw logprobs modes (None in the processed modes).
     """
@@ -189,7 +190,7 @@ def _general_rows(logits: torch.Tensor, md: SamplingMetadata, logprobs_mode: str
     n = min(num_reqs, MAX_FALLBACK_ROWS)
     index = torch.argsort((~fallback).to(torch.int8), stable=True)[:n]  # [n] flagged rows first
     hit = fallback[index]  # [n] bool
-    sub = logits[index]  # [n, V]
+    sub = logits[index].to(torch.float32)  # [n, V]
 
     def pick(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)[index]

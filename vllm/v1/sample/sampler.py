@@ -55,18 +55,25 @@ class Sampler(nn.Module):
         self.logprobs_mode = logprobs_mode
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: [num_reqs, V], float32 or the model's bf16/fp16 (every value is then used as its exact float32
+        conversion, so the results are the same either way)."""
         md = sampling_metadata
-        logits = logits.to(torch.float32)  # [num_reqs, V]
         want_logprobs = md.max_num_logprobs is not None
+        raw_mode = want_logprobs and self.logprobs_mode in ("raw_logprobs", "raw_logits")
+        need_processed = not md.all_greedy or md.sampling_mask_rows is not None or (want_logprobs and not raw_mode)
+        fast = need_processed and self._fast_path_ok(logits, md)
+        # NOTE: the fast path reads the logits in their own dtype (its top-k select and counting read move half
+        # the bytes of bf16) and converts only its candidates and its general-path rows; everything else works on
+        # a float32 copy of the whole batch.
+        if not fast or raw_mode:
+            logits = logits.to(torch.float32)  # [num_reqs, V]
         raw_values: torch.Tensor | None = None
         if want_logprobs and self.logprobs_mode == "raw_logprobs":
             raw_values = logits.log_softmax(dim=-1)
         elif want_logprobs and self.logprobs_mode == "raw_logits":
             raw_values = logits
 
-        need_processed = (not md.all_greedy or md.sampling_mask_rows is not None
-                          or (want_logprobs and raw_values is None))
-        if need_processed and self._fast_path_ok(logits, md):
+        if fast:
             sampled, logprobs_tensors, mask = sample_fast(logits, md, self.logprobs_mode, raw_values)
             return SamplerOutput(sampled, logprobs_tensors, mask)
         greedy_tokens = None if md.all_random else logits.argmax(dim=-1)

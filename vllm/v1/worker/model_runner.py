@@ -312,7 +312,7 @@ class ModelRunner:
             if hidden is None:
                 hidden = self._forward_rows(inputs)
             last = hidden[:num_reqs] if inputs.num_padded is not None else hidden[inputs.logits_indices]
-            logits = self.model.compute_logits(last).float()  # [num_reqs, V] float32
+            logits = self.model.compute_logits(last)  # [num_reqs, V], the model's dtype (the sampler converts)
             out = self._with_text_group(self.sampler(logits, meta), meta)
         else:
             out = _narrow_output(out, num_reqs)
@@ -344,7 +344,7 @@ class ModelRunner:
             # NOTE: what a graph of `size` rows reads: that size's forward output and the buffers' first rows.
             static_hidden = self.cudagraphs.graphs[size][1] if size != rows else hidden
             static_meta = self._padded_metadata(meta).narrow(size)
-            return lambda: self._sample_prepacked(self.model.compute_logits(static_hidden).float(), static_meta)
+            return lambda: self._sample_prepacked(self.model.compute_logits(static_hidden), static_meta)
 
         return self.sampler_graphs.run(rows, key, make_fn)
 
