@@ -66,10 +66,11 @@ class ModelConfig:
     token into Python ints."""
 
     enforce_eager: bool = False
-    """Always run the model eagerly: no CUDA graphs for decode steps (CPU never uses them)."""
+    """Always run the model eagerly: no CUDA graphs for decode or mixed steps (CPU never uses them)."""
     cudagraph_capture_sizes: list[int] | None = None
-    """Decode batch sizes captured as CUDA graphs (a batch replays the smallest size that holds it); the default
-    is 1, 2, 4, 8, 16, 24, ..., 1024, capped at max_num_seqs and max_num_batched_tokens. Comma-separated."""
+    """Decode batch sizes captured as CUDA graphs (a batch replays the smallest size that holds it; steps with
+    prefills sample as the sampler graph of the size that holds their requests); the default is 1, 2, 4, 8, 16,
+    24, ..., 1024, capped at max_num_seqs and max_num_batched_tokens. Comma-separated."""
 
     hf_config: SimpleNamespace = field(init=False, repr=False)
 

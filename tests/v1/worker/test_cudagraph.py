@@ -300,6 +300,36 @@ def test_mixed_capture_sizes() -> None:
     # Gaps wider than max_model_len get sizes inside them, so one padding request always holds the padding.
     assert resolve_mixed_capture_sizes(None, 512, 100) == [100, 200, 256, 356, 456, 512]
     assert resolve_mixed_capture_sizes([48, 8, 1000], 64, 20) == [8, 28, 48]
+    # At most max_num_seqs requests of max_model_len tokens: the budget is capped there.
+    assert resolve_mixed_capture_sizes(None, 8192, 512, 4) == [256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert resolve_mixed_capture_sizes(None, 1024, 100, 3) == [100, 200, 256, 300]
+
+
+@pytest.mark.parametrize("max_num_seqs,max_model_len,budget", [(4, 512, 8192), (1, 64, 8192), (3, 100, 1024),
+                                                                (8, 64, 64), (2, 2048, 8192), (16, 48, 1000)])
+def test_every_mixed_size_can_be_captured(max_num_seqs: int, max_model_len: int, budget: int) -> None:
+    """The capture fills every mixed size with padding requests only (max_num_seqs + 1 rows of at most
+    max_model_len tokens): that must fit for every resolved size, also when max_num_seqs * max_model_len is below
+    the token budget (a small server: without the cap the largest size did not fit and start-up failed)."""
+    from vllm.v1.worker.cudagraph import resolve_mixed_capture_sizes
+    from vllm.v1.worker.input_prep import InputBuffers
+    sizes = resolve_mixed_capture_sizes(None, budget, max_model_len, max_num_seqs)
+    assert sizes and sizes[-1] == min(budget, max_num_seqs * max_model_len)
+    buffers = InputBuffers(max_num_reqs=max_num_seqs, max_num_tokens=budget, max_model_len=max_model_len,
+                           max_num_blocks_per_req=-(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE,
+                           scratch_block=40, device=torch.device("cpu"))
+    for size in sizes:
+        buffers.fill_dummy_mixed(size, buffers.max_num_rows)
+
+
+def test_runner_caps_mixed_sizes_at_its_requests() -> None:
+    """The model runner resolves its mixed sizes with its max_num_seqs (8 requests of 64 tokens here: 512, not
+    the 1024-token budget)."""
+    config = VllmConfig(model_config=ModelConfig(dtype="float32", max_model_len=64),
+                        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+                        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024),
+                        device_config=DeviceConfig(device="cpu"))
+    assert ModelRunner(config).mixed_graphs.capture_sizes == [64, 128, 192, 256, 320, 384, 448, 512]
 
 
 @pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
@@ -413,6 +443,31 @@ def test_padded_sampler_of_prefill_steps_matches_unpadded() -> None:
     assert got[0].sampled_token_ids[got[0].req_id_to_index["r1"]] == []  # the partial chunk
     # Tokens, logprobs and masks of every sampling request, per step (the partial chunk's row is empty).
     _assert_same_sampled(got, want)
+
+
+def test_step_without_sampling_rows_samples_eagerly() -> None:
+    """A step of partial prompt chunks only (nothing samples) does not go through the sampler graphs (its settings,
+    without mask rows, would be a graph key of their own); the step that finishes the prompt does, and its token
+    and mask equal the unpadded runner's."""
+    params = SamplingParams(temperature=1.0, top_k=1, logprobs=1, max_tokens=16, ignore_eos=True)
+    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
+    ref, _ = _runner("cpu", **kwargs)
+    padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
+    padded.pad_eager_decode = True
+    padded.sampler_graphs = SamplerGraphs([2, 4], capture=False)
+    calls: list[int] = []
+    run = padded.sampler_graphs.run
+    padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
+    outs = []
+    for runner in (padded, ref):
+        new = [NewRequestData("r1", PROMPTS[1], [], params, [0, 1, 2, 3], 0, client_index=0)]
+        first = runner.execute_model(SchedulerOutput(new, CachedRequestData(), {"r1": 3}, 3, set()))
+        cached = CachedRequestData(["r1"], [[]], [3])
+        outs.append((first, runner.execute_model(SchedulerOutput([], cached, {"r1": 4}, 4, set()))))
+    assert calls == [2]  # only the step that finishes the prompt
+    (p_first, p_second), (r_first, r_second) = outs
+    assert p_first.sampled_token_ids == r_first.sampled_token_ids == [[]]
+    _assert_same_sampled([p_second], [r_second])
 
 
 def test_padded_sampler_of_prefill_steps_top_p_masks() -> None:

@@ -1,5 +1,6 @@
 """CUDA graphs for pure-decode steps: one captured model forward per batch size, replayed for smaller batches,
-and the logits + sampler of those steps as a second graph per (size, sampling settings).
+and the logits + sampler of those steps as a second graph per (size, sampling settings); mixed steps get forward
+graphs of their own (below).
 
 A step in which every request has exactly one query token runs as the graph of the smallest captured size
 B >= num_reqs; the rows past num_reqs are padding (see input_prep.py) and their outputs are ignored. The model
@@ -85,16 +86,21 @@ def resolve_capture_sizes(sizes: list[int] | None, max_num_seqs: int, max_num_ba
 MIXED_SIZE_STEP = 256
 
 
-def resolve_mixed_capture_sizes(sizes: list[int] | None, max_num_batched_tokens: int, max_model_len: int
-                                ) -> list[int]:
+def resolve_mixed_capture_sizes(sizes: list[int] | None, max_num_batched_tokens: int, max_model_len: int,
+                                max_num_seqs: int | None = None) -> list[int]:
     """Sorted token counts that mixed steps are padded to: by default the multiples of MIXED_SIZE_STEP below
-    max_num_batched_tokens, and that budget itself, so that every step has a size. Sizes past the budget are
-    dropped. NOTE: the padding of a step goes to requests of at most max_model_len tokens, and a padded step
-    has at most max_num_seqs + 1 rows, so a size step larger than max_model_len could leave no row for the
-    padding: sizes are added below each gap larger than max_model_len."""
+    the step budget, and that budget itself, so that every step has a size. Sizes past the budget are dropped.
+    The budget is max_num_batched_tokens, capped at max_num_seqs * max_model_len (a step holds at most
+    max_num_seqs requests of at most max_model_len tokens; a larger size could not be filled by the capture's
+    padding-only step of max_num_seqs + 1 rows). NOTE: the padding of a step goes to requests of at most
+    max_model_len tokens, and a padded step has at most max_num_seqs + 1 rows, so a size step larger than
+    max_model_len could leave no row for the padding: sizes are added below each gap larger than max_model_len."""
+    budget = max_num_batched_tokens
+    if max_num_seqs is not None:
+        budget = min(budget, max_num_seqs * max_model_len)
     if sizes is None:
-        sizes = list(range(MIXED_SIZE_STEP, max_num_batched_tokens, MIXED_SIZE_STEP)) + [max_num_batched_tokens]
-    chosen = sorted({s for s in sizes if 0 < s <= max_num_batched_tokens})
+        sizes = list(range(MIXED_SIZE_STEP, budget, MIXED_SIZE_STEP)) + [budget]
+    chosen = sorted({s for s in sizes if 0 < s <= budget})
     filled: list[int] = []
     prev = 0
     for s in chosen:

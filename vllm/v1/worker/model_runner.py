@@ -102,7 +102,7 @@ class ModelRunner:
         # Forward graphs of mixed steps (prefills among decodes), padded to the smallest size that holds their
         # tokens and to max_num_seqs + 1 rows; captured unless VLLM_MIXED_CUDA_GRAPH=0 (use_mixed_cuda_graph).
         self.mixed_graphs = CudaGraphManager(
-            resolve_mixed_capture_sizes(None, self.max_num_tokens, self.max_model_len), kind="mixed")
+            resolve_mixed_capture_sizes(None, self.max_num_tokens, self.max_model_len, self.max_num_reqs), kind="mixed")
         self._mixed_graphs_requested = envs.VLLM_MIXED_CUDA_GRAPH
         # [largest mixed size, hidden_size]: the hidden states every mixed graph writes (allocated at capture).
         self._mixed_hidden: torch.Tensor | None = None
@@ -287,9 +287,11 @@ class ModelRunner:
         graph_rows = pad_to if pad_to is not None and self.sampler_graphs is not None else None
         # A step with prefills (no forward graph) samples as the sampler graph of its padded request count, over
         # its requests' last hidden states, with VLLM_SAMPLER_GRAPH_MIXED.
+        # NOTE: not for a step where no request samples (only partial prompt chunks): its settings (no mask rows)
+        # would make a sampler-graph key of their own, captured at every size for a step whose draws are dropped.
         mixed_rows = None
         if (pad_to is None and self.sample_mixed_graphed and self.sampler_graphs is not None
-                and (self.use_cuda_graph or self.pad_eager_decode)):
+                and (self.use_cuda_graph or self.pad_eager_decode) and bool(inputs.samples.any())):
             mixed_rows = self.cudagraphs.padded_size(num_reqs)
         sample_rows = graph_rows or mixed_rows
         meta = self._sampling_metadata(inputs, sample_rows)
