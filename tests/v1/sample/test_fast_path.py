@@ -257,8 +257,17 @@ def test_select_falls_back_to_torch_when_the_kernel_cannot_compile(monkeypatch: 
         assert torch.equal(got.token_ids[r, :n], want.token_ids[r, :n])
 
 
+@pytest.fixture(params=["topk", "row", "torch"])
+def any_select(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every candidate selector: "topk" (torch.topk + the counting kernel, the CUDA default), the radix row
+    kernel (both Triton, interpreted on CPU) and the torch version."""
+    kwargs = {"use_triton": False} if request.param == "torch" else {"use_triton": True, "impl": request.param}
+    monkeypatch.setattr(fast_path, "select_top_k_candidates", functools.partial(select_top_k_candidates, **kwargs))
+    return request.param
+
+
 @pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits", "raw_logprobs", "raw_logits"])
-def test_bf16_logits_give_the_float32_results(mode: str, select_impl: bool) -> None:
+def test_bf16_logits_give_the_float32_results(mode: str, any_select: str) -> None:
     """The sampler fed the model's bf16 logits (the fast path reads them as they are) gives bit for bit what it
     gives on their float32 conversion: tokens, logprobs, ranks and masks, with greedy, seeded and unseeded rows,
     min-p, top-p, and rows that take the general path (ties past C, NaN); the generators advance alike."""

@@ -231,7 +231,7 @@ class ModelRunner:
         with set_forward_context(md, self.kv_caches):
             hidden = self.model(input_ids, positions)
         idx = torch.arange(self.max_num_reqs, device=self.device) % num_tokens
-        logits = self.model.compute_logits(hidden[idx]).float()
+        logits = self.model.compute_logits(hidden[idx])  # the model's dtype, as in a real step
         n = self.max_num_reqs
         meta = SamplingMetadata(
             temperature=torch.ones(n, device=self.device), all_greedy=False, all_random=True,

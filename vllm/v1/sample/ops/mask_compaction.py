@@ -46,8 +46,8 @@ def _pack_count_kernel(
     if HAS_DST:
         dst = tl.load(dst_rows_ptr + row).to(tl.int64)
         write = tl.load(hit_ptr + row) != 0
-    # A row that sampled nothing keeps nothing: its loads are all masked off.
-    limit = tl.where(tl.load(num_sampled_ptr + dst) > 0, vocab_size, 0)
+    # A row that sampled nothing keeps nothing: its loads are all masked off (so are a row not to be written's).
+    limit = tl.where(write, tl.where(tl.load(num_sampled_ptr + dst) > 0, vocab_size, 0), 0)
     shifts = tl.arange(0, 8)[None, :]
     byte_ids = chunk * (CHUNK // 8) + tl.arange(0, CHUNK // 8)
     # The chunk loaded as [CHUNK/8, 8]: each output byte's 8 flags sit in one tile row, so the packing is a sum
@@ -119,6 +119,8 @@ def compact_sampling_mask_chunked(logits: torch.Tensor, num_sampled: torch.Tenso
     With `dst_rows` ([n] int64) and `hit` ([n] bool), logits is [n, V] and its row i goes to row dst_rows[i] of
     the outputs (and reads num_sampled there), only where hit[i]; the outputs' other rows are left as they are
     (the sampler's general path writes its recomputed rows into the fast path's mask this way)."""
+    if (dst_rows is None) != (hit is None):
+        raise ValueError("dst_rows and hit go together")
     if logits.shape[0] == 0:
         return
     chunk_counts = launch_pack_count(logits, num_sampled, packed_mask, chunk, num_warps, dst_rows, hit)
