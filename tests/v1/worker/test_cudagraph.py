@@ -53,6 +53,44 @@ def _runner(device: str, dtype: str = "float32", enforce_eager: bool = True,
     return runner, recorder
 
 
+# Sampling masks with their JSON text and processed logprobs, as under `vllm serve --return-sampling-mask`.
+MASK_KWARGS = dict(return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
+
+
+def _count_sampler_graph_runs(runner: ModelRunner, sizes: list[int]) -> list[int]:
+    """Give `runner` sampler graphs of `sizes` that run the padded sampler eagerly (SamplerGraphs(capture=False));
+    returns the list that every sampler-graph run appends its size to."""
+    runner.sampler_graphs = SamplerGraphs(sizes, capture=False)
+    calls: list[int] = []
+    run = runner.sampler_graphs.run
+    runner.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
+    return calls
+
+
+def _padded_cpu_runner(sizes: list[int]) -> tuple[ModelRunner, list[int]]:
+    """A CPU runner with masks whose decode steps are padded to `sizes` as for CUDA graphs, sampling through the
+    eager stand-in of the sampler graphs; and the sizes those were run at (_count_sampler_graph_runs)."""
+    runner, _ = _runner("cpu", capture_sizes=sizes, record=False, **MASK_KWARGS)
+    runner.pad_eager_decode = True
+    return runner, _count_sampler_graph_runs(runner, sizes)
+
+
+def _assert_same_outputs(got: list[Any], want: list[Any], masks: bool = False) -> None:
+    """Per step the same requests and tokens; with `masks` also logprobs (ids, values within 1e-5, ranks), mask
+    ids and mask text."""
+    for g, w in zip(got, want, strict=True):
+        assert g.req_ids == w.req_ids and g.sampled_token_ids == w.sampled_token_ids
+        if not masks:
+            continue
+        for j in range(len(g.req_ids)):
+            assert g.logprobs.logprob_token_ids[j].tolist() == w.logprobs.logprob_token_ids[j].tolist()
+            assert g.logprobs.logprobs[j].tolist() == pytest.approx(w.logprobs.logprobs[j].tolist(), abs=1e-5)
+            assert g.logprobs.sampled_token_ranks[j] == w.logprobs.sampled_token_ranks[j]
+            gm, wm = g.sampling_masks, w.sampling_masks
+            assert (gm.token_ids[gm.offsets[j]:gm.offsets[j + 1]].tolist()
+                    == wm.token_ids[wm.offsets[j]:wm.offsets[j + 1]].tolist())
+        assert bytes(g.sampling_mask_text.text) == bytes(w.sampling_mask_text.text)
+
 def _run_steps(runner: ModelRunner, num_reqs: int, num_decodes: int, params: SamplingParams | None = None,
                outputs: list[Any] | None = None) -> list[list[int]]:
     """Prefill the first num_reqs prompts in one step, then decode num_decodes steps; returns sampled ids
@@ -162,17 +200,11 @@ def _per_request(outputs: list[Any], num_reqs: int) -> list[list[tuple[Any, ...]
 @pytest.mark.parametrize("num_reqs", [1, 3])
 def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float) -> None:
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, logprobs=1, max_tokens=16, ignore_eos=True)
-    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
-    ref, _ = _runner("cpu", **kwargs)
-    padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
-    padded.pad_eager_decode = True
+    ref, _ = _runner("cpu", record=False, **MASK_KWARGS)
+    padded, calls = _padded_cpu_runner([2, 4])
     # NOTE: the prefill step samples unpadded, as the reference's does (the padded sampler of steps with prefills
     # draws for more rows, so with top_p the first decode step's context could differ; its own tests are below).
     padded.sample_mixed_graphed = False
-    padded.sampler_graphs = SamplerGraphs([2, 4], capture=False)
-    calls: list[int] = []
-    run = padded.sampler_graphs.run
-    padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
     got: list[Any] = []
     want: list[Any] = []
     _run_steps(padded, num_reqs, 3, params, got)
@@ -194,9 +226,8 @@ def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (4, 0.9)])
 def test_sampler_graph_matches_eager(top_k: int, top_p: float) -> None:
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, logprobs=1, max_tokens=16, ignore_eos=True)
-    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
-    eager, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
-    graphs, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
+    eager, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], record=False, **MASK_KWARGS)
+    graphs, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], record=False, **MASK_KWARGS)
     eager.sampler_graphs = None
     # NOTE: the prefill step samples eagerly in both runners (see test_padded_sampler_matches_unpadded); the
     # sampler graphs of steps with prefills have their own test below.
@@ -371,27 +402,15 @@ def test_padded_mixed_sampler_matches_unpadded(backend: str, sampler_graph: bool
     """top_k=1 with logprobs and sampling masks: tokens, logprobs, ranks and masks per request equal; with
     `sampler_graph` the padded mixed steps also sample as the padded sampler (VLLM_SAMPLER_GRAPH_MIXED)."""
     _skip_triton_on_cuda(backend)
-    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
-    ref, padded, seen = _mixed_runners(backend, **kwargs)
+    ref, padded, seen = _mixed_runners(backend, record=False, **MASK_KWARGS)
     calls: list[int] = []
     if sampler_graph:
         padded.sample_mixed_graphed = True
-        padded.sampler_graphs = SamplerGraphs([2, 4, 8], capture=False)
-        run = padded.sampler_graphs.run
-        padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
+        calls = _count_sampler_graph_runs(padded, [2, 4, 8])
     params = SamplingParams(temperature=1.0, top_k=1, logprobs=2, max_tokens=16, ignore_eos=True)
     got, want = _run_mixed_steps(padded, params), _run_mixed_steps(ref, params)
     assert seen == MIXED_PADS
-    for g, w in zip(got, want):
-        assert g.req_ids == w.req_ids and g.sampled_token_ids == w.sampled_token_ids
-        for j in range(len(g.req_ids)):
-            assert g.logprobs.logprob_token_ids[j].tolist() == w.logprobs.logprob_token_ids[j].tolist()
-            assert g.logprobs.logprobs[j].tolist() == pytest.approx(w.logprobs.logprobs[j].tolist(), abs=1e-5)
-            assert g.logprobs.sampled_token_ranks[j] == w.logprobs.sampled_token_ranks[j]
-            gm, wm = g.sampling_masks, w.sampling_masks
-            assert (gm.token_ids[gm.offsets[j]:gm.offsets[j + 1]].tolist()
-                    == wm.token_ids[wm.offsets[j]:wm.offsets[j + 1]].tolist())
-        assert bytes(g.sampling_mask_text.text) == bytes(w.sampling_mask_text.text)
+    _assert_same_outputs(got, want, masks=True)
     # Every step through the padded sampler: the request counts 2, 3, 4, 8, 7, 8 padded to the capture sizes.
     assert calls == ([2, 4, 4, 8, 8, 8] if sampler_graph else [])
 
@@ -426,15 +445,9 @@ def test_padded_sampler_of_prefill_steps_matches_unpadded() -> None:
     sample as the padded sampler of their request count over their requests' last hidden states, and give the
     unpadded sampler's tokens, logprobs and masks (top_k=1: exact); the partial chunk samples nothing."""
     params = SamplingParams(temperature=1.0, top_k=1, logprobs=1, max_tokens=16, ignore_eos=True)
-    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
-    ref, _ = _runner("cpu", **kwargs)
-    padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
-    padded.pad_eager_decode = True
+    ref, _ = _runner("cpu", record=False, **MASK_KWARGS)
+    padded, calls = _padded_cpu_runner([2, 4])
     padded.sample_mixed_graphed = True
-    padded.sampler_graphs = SamplerGraphs([2, 4], capture=False)
-    calls: list[int] = []
-    run = padded.sampler_graphs.run
-    padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
     got, want = _prefill_steps(padded, params), _prefill_steps(ref, params)
     assert calls == [4, 4, 4]
     for g, w in zip(got, want):
@@ -450,14 +463,8 @@ def test_step_without_sampling_rows_samples_eagerly() -> None:
     without mask rows, would be a graph key of their own); the step that finishes the prompt does, and its token
     and mask equal the unpadded runner's."""
     params = SamplingParams(temperature=1.0, top_k=1, logprobs=1, max_tokens=16, ignore_eos=True)
-    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
-    ref, _ = _runner("cpu", **kwargs)
-    padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
-    padded.pad_eager_decode = True
-    padded.sampler_graphs = SamplerGraphs([2, 4], capture=False)
-    calls: list[int] = []
-    run = padded.sampler_graphs.run
-    padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
+    ref, _ = _runner("cpu", record=False, **MASK_KWARGS)
+    padded, calls = _padded_cpu_runner([2, 4])
     outs = []
     for runner in (padded, ref):
         new = [NewRequestData("r1", PROMPTS[1], [], params, [0, 1, 2, 3], 0, client_index=0)]
@@ -475,15 +482,9 @@ def test_padded_sampler_of_prefill_steps_top_p_masks() -> None:
     top logprobs depend on the logits only, not on the draw, so they equal the unpadded sampler's; every sampled
     token lies in its mask. (The draws differ: the padded sampler draws for the padding rows too.)"""
     params = SamplingParams(temperature=1.0, top_k=4, top_p=0.9, logprobs=1, max_tokens=16, ignore_eos=True)
-    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
-    ref, _ = _runner("cpu", **kwargs)
-    padded, _ = _runner("cpu", capture_sizes=[2, 4], **kwargs)
-    padded.pad_eager_decode = True
-    padded.sampler_graphs = SamplerGraphs([2, 4], capture=False)
+    ref, _ = _runner("cpu", record=False, **MASK_KWARGS)
+    padded, calls = _padded_cpu_runner([2, 4])
     assert padded.sample_mixed_graphed  # the default
-    calls: list[int] = []
-    run = padded.sampler_graphs.run
-    padded.sampler_graphs.run = lambda size, key, fn: (calls.append(size), run(size, key, fn))[1]  # type: ignore
     got, want = _prefill_steps(padded, params), _prefill_steps(ref, params)
     assert calls == [4, 4, 4]
     g, w = got[0], want[0]
@@ -540,9 +541,8 @@ def test_sampler_graph_of_prefill_steps_matches_eager() -> None:
     output and the captured sampler graph of the padded size runs over them; tokens, logprobs and masks equal
     the eager runner's (top_k=1: exact)."""
     params = SamplingParams(temperature=1.0, top_k=1, logprobs=1, max_tokens=16, ignore_eos=True)
-    kwargs = dict(record=False, return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
-    eager, _ = _runner("cuda", enforce_eager=True, **kwargs)
-    graphs, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], **kwargs)
+    eager, _ = _runner("cuda", enforce_eager=True, record=False, **MASK_KWARGS)
+    graphs, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4, 8], record=False, **MASK_KWARGS)
     graphs.sample_mixed_graphed = True
     graphs.capture_model()
     assert graphs.sampler_graphs is not None

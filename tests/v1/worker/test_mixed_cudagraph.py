@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_cudagraph import (MIXED_PADS, MIXED_SIZES, MIXED_STEPS, _run_mixed_steps, _runner,
-                            _skip_triton_on_cuda)
+from test_cudagraph import (MASK_KWARGS, MIXED_PADS, MIXED_SIZES, MIXED_STEPS, _assert_same_outputs,
+                            _run_mixed_steps, _runner, _skip_triton_on_cuda)
 
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
@@ -30,7 +30,6 @@ DECODE_SIZES = [2, 4, 8]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 # top_k=1: the draw cannot matter, so tokens, logprobs, ranks and masks must equal the eager run's.
 WITH_MASKS = SamplingParams(temperature=1.0, top_k=1, logprobs=2, max_tokens=16, ignore_eos=True)
-MASK_KWARGS = dict(return_sampling_mask=True, sampling_mask_text=True, logprobs_mode="processed_logprobs")
 
 
 class _Graph:
@@ -119,21 +118,6 @@ class _CountingModel:
 
 def _step_tokens(steps: list[dict[str, int]]) -> list[int]:
     return [sum(s.values()) for s in steps]
-
-
-def _assert_same_outputs(got: list[Any], want: list[Any], masks: bool = False) -> None:
-    for g, w in zip(got, want, strict=True):
-        assert g.req_ids == w.req_ids and g.sampled_token_ids == w.sampled_token_ids
-        if not masks:
-            continue
-        for j in range(len(g.req_ids)):
-            assert g.logprobs.logprob_token_ids[j].tolist() == w.logprobs.logprob_token_ids[j].tolist()
-            assert g.logprobs.logprobs[j].tolist() == pytest.approx(w.logprobs.logprobs[j].tolist(), abs=1e-5)
-            assert g.logprobs.sampled_token_ranks[j] == w.logprobs.sampled_token_ranks[j]
-            gm, wm = g.sampling_masks, w.sampling_masks
-            assert (gm.token_ids[gm.offsets[j]:gm.offsets[j + 1]].tolist()
-                    == wm.token_ids[wm.offsets[j]:wm.offsets[j + 1]].tolist())
-        assert bytes(g.sampling_mask_text.text) == bytes(w.sampling_mask_text.text)
 
 
 # ---- CPU: the wiring, with stand-in graphs -------------------------------------------------------------------

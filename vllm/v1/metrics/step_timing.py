@@ -10,16 +10,17 @@ oldest step's output: device time and the output thread not hidden behind host w
 the list building handed to the output thread; synchronous scheduling: the wait for the device and the lists
 too), of which `launch.mask` is the sampling mask's share; `mask.copied` counts the steps whose masks found no
 free lending staging slot and were copied out on the host (vllm/v1/worker/async_output.py); `send.masks` is
-the part of `send` that builds deferred mask lists (VLLM_ENGINE_DEFER_MASK_LISTS). On CUDA, with
-the variable set, timing events around each step's device work add `dev.step` (from its forward to its
-sampler's last operation, compute stream; it also holds any wait for launches inside the step, which eager
-steps have and graphed decode steps hardly do) and `dev.gap` (the compute stream idle before the forward,
-waiting for the host, plus the step's input copies; gaps of a second or more, an idle engine, are left out).
-Graphed decode steps whose `dev.gap` is ~0 keep the device busy. For the main thread's `schedule`, `launch`, `update` and `send` of the batch-queue loop,
-the thread's own CPU time (time.thread_time) is added too and reported after them ("cpu ..."): wall above CPU is time the thread was not running, i.e. waiting for
-the GIL, blocked in a call that released it (the launch's copies and CUDA calls), or preempted. With the variable
-set, the engine-core process logs ms per step of each every few seconds; the accumulation itself is a few
-perf_counter / thread_time calls per step and always on.
+the part of `send` that builds deferred mask lists (VLLM_ENGINE_DEFER_MASK_LISTS). On CUDA, with the variable
+set, timing events around each step's device work add `dev.step` (from its forward to its sampler's last
+operation, compute stream; it also holds any wait for launches inside the step, which eager steps have and
+graphed decode steps hardly do) and `dev.gap` (the compute stream idle before the forward, waiting for the
+host, plus the step's input copies; gaps of a second or more, an idle engine, are left out). Graphed decode
+steps whose `dev.gap` is ~0 keep the device busy. For the main thread's `schedule`, `launch`, `update` and
+`send` of the batch-queue loop, the thread's own CPU time (time.thread_time) is added too and reported after
+them ("cpu ..."): wall above CPU is time the thread was not running, i.e. waiting for the GIL, blocked in a
+call that released it (the launch's copies and CUDA calls), or preempted. With the variable set, the
+engine-core process logs ms per step of each every few seconds; the accumulation itself is a few perf_counter /
+thread_time calls per step and always on.
 """
 
 from __future__ import annotations

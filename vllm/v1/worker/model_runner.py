@@ -22,10 +22,10 @@ Invariants:
   over all T tokens and max_num_seqs + 1 request rows; its logits and sampler run on the real requests' last
   tokens only, as an unpadded step's do (as a sampler graph, below, or eagerly with VLLM_SAMPLER_GRAPH_MIXED=0).
 - Unless VLLM_SAMPLER_GRAPH_MIXED=0, a step with prefills (mixed graph or eager forward, num_reqs <= the largest
-  capture size)
-  samples the same way: its requests' last hidden states, then zero rows, go into the decode forward graph's
-  static output of B = the padded request count, and the sampler graph of B runs over them; rows that do not
-  sample this step (partial prefill chunks) are sampled too and dropped, as in the eager sampler.
+  capture size, at least one request sampling) samples the same way: its requests' last hidden states, then
+  zero rows, go into the decode forward graph's static output of B = the padded request count, and the sampler
+  graph of B runs over them; rows that do not sample this step (partial prefill chunks) are sampled too and
+  dropped, as in the eager sampler.
 - A sampled token is counted in InputBatch.num_tokens when it is sampled; its value reaches token_ids_cpu when
   its step's output is read back (`get_output()`), which the engine does before it schedules two steps later.
 """
@@ -143,7 +143,7 @@ class ModelRunner:
     @property
     def use_mixed_cuda_graph(self) -> bool:
         """Mixed steps are padded and replayed as graphs: CUDA graphs are on (CUDA, not enforce_eager, the Triton
-        backend) and VLLM_MIXED_CUDA_GRAPH=1."""
+        backend) and VLLM_MIXED_CUDA_GRAPH is not 0."""
         return self.use_cuda_graph and self._mixed_graphs_requested
 
     @torch.inference_mode()
