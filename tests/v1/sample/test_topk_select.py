@@ -149,3 +149,20 @@ def test_topk_impl_full_vocabulary_on_gpu() -> None:
     check(got, reference(logits, temperature, top_k, 2600), check_kth=False)
     assert torch.equal(got.counts, row.counts)
     assert torch.equal(got.kth[1:], row.kth[1:])
+
+
+def test_row_kernel_selects_only_flagged_rows() -> None:
+    """With a row flag the radix kernel writes the flagged rows as it does without one and leaves the others."""
+    logits = bf16_logits(4, 900, 12)
+    temperature = torch.tensor([1.0, 0.6, 1.0, 2.0])
+    top_k = torch.tensor([5, 30, 1, 64], dtype=torch.int32)
+    ids = torch.full((4, 64), -7, dtype=torch.int32)
+    values = torch.full((4, 64), -7.0)
+    counts = torch.full((4,), -7, dtype=torch.int32)
+    kth = torch.full((4,), -7.0)
+    flag = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    topk_select._run_row_kernel(logits, temperature, top_k, ids, values, counts, kth, BLOCK, row_flag=flag)
+    want = reference(logits, temperature, top_k, 64)
+    check(TopKCandidates(ids[::2], values[::2], counts[::2], kth[::2]), want[::2])
+    assert counts[1::2].tolist() == [-7, -7] and kth[1::2].tolist() == [-7.0, -7.0]
+    assert (ids[1::2] == -7).all() and (values[1::2] == -7.0).all()

@@ -16,7 +16,7 @@ Two implementations (`impl`), with the same outputs bit for bit (and the same as
   key of the k-th largest value; a fourth pass writes every key >= it. Four reads of the row, but Triton's
   2048-bin `tl.histogram` makes it compute-bound: ~8.8 ms at 512 rows on the H200 (a version spread over
   many programs per row with atomics measured 7.6 ms, so the histograms, not the parallelism, are the cost).
-  Kept for reference and tests.
+  Kept for reference and tests; `row_flag` restricts it to the rows flagged nonzero.
 
 Invariants:
 - z is computed as an IEEE round-to-nearest division, so it is bitwise the `logits / temperature` of the
@@ -89,11 +89,16 @@ def _topk_select_kernel(
     cand_stride,
     counts_ptr,  # [num_reqs] int32
     kth_ptr,  # [num_reqs] float32
+    row_flag_ptr,  # [num_reqs] int32 (HAS_FLAG): a row whose flag is 0 is left as it is
     vocab_size,
     num_cand,
     BLOCK_SIZE: tl.constexpr,
+    HAS_FLAG: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if HAS_FLAG:
+        if tl.load(row_flag_ptr + row) == 0:
+            return
     row_ptr = logits_ptr + row * logits_stride
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     k = tl.minimum(tl.maximum(tl.load(top_k_ptr + row), 1), vocab_size)
@@ -198,15 +203,25 @@ def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top
             if impl == "topk":
                 _select_topk(logits, temperature, top_k, ids, values, counts, kth)
             else:
-                _topk_select_kernel[(num_reqs,)](
-                    logits, logits.stride(0), temperature, top_k, ids, values, num_cand, counts, kth, vocab_size,
-                    num_cand, BLOCK_SIZE=block_size)
+                _run_row_kernel(logits, temperature, top_k, ids, values, counts, kth, block_size)
         except triton.CompilationError:
             _disable_kernel()
             _select_torch(logits, temperature, top_k, ids, values, counts, kth)
     else:
         _select_torch(logits, temperature, top_k, ids, values, counts, kth)
     return TopKCandidates(ids, values, counts, kth)
+
+
+def _run_row_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, ids: torch.Tensor,
+                    values: torch.Tensor, counts: torch.Tensor, kth: torch.Tensor, block_size: int,
+                    row_flag: torch.Tensor | None = None) -> None:
+    """The radix select, one program per row; with row_flag ([num_reqs] int32) only the rows flagged nonzero."""
+    num_reqs, vocab_size = logits.shape
+    # NOTE: without a flag, counts stands in for its pointer; HAS_FLAG=False compiles the read away.
+    _topk_select_kernel[(num_reqs,)](
+        logits, logits.stride(0), temperature, top_k, ids, values, ids.stride(0), counts, kth,
+        counts if row_flag is None else row_flag, vocab_size, ids.shape[1], BLOCK_SIZE=block_size,
+        HAS_FLAG=row_flag is not None)
 
 
 @triton.jit
