@@ -58,6 +58,19 @@ class FakeEngineCore:
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=SchedulerStats(num_running_reqs=len(self.requests)))
 
 
+class GcProbeEngineCore(FakeEngineCore):
+    """Answers every request with one step whose tokens are the core process's GC state when it serves:
+    gc.get_threshold() and gc.get_freeze_count()."""
+
+    def step(self) -> EngineCoreOutputs:
+        import gc
+
+        state = [*gc.get_threshold(), gc.get_freeze_count()]
+        outputs = [EngineCoreOutput(req_id, state, None, None, FinishReason.LENGTH) for req_id in self.requests]
+        self.requests.clear()
+        return EngineCoreOutputs(outputs=outputs)
+
+
 class FailingEngineCore:
     def __init__(self, vllm_config: object) -> None:
         raise ValueError("model folder /nope has no config.json")
@@ -346,3 +359,19 @@ def test_step_mask_texts_packed_by_client_are_one_span_each() -> None:
     step.materialize(outs)
     assert [o.new_sampling_mask_text.text.tobytes() for o in outs] == texts
     assert [o.new_sampling_mask.token_ids.tolist() for o in outs] == rows
+
+
+def test_engine_core_serves_with_frozen_heap_and_serving_gc_thresholds() -> None:
+    """The core process freezes its start-up heap and collects with the serving thresholds (Python's defaults,
+    (700, 10, 10), ran a full collection every ~0.5 s at ~1000 rows, each longer than a decode step)."""
+    from vllm.v1.serving_gc import SERVING_GC_THRESHOLDS
+
+    client = _sync_client(GcProbeEngineCore)
+    try:
+        client.add_request(_request("gc", [1], 1))
+        (out,) = _collect(client, 1)["gc"]
+    finally:
+        client.shutdown()
+    assert SERVING_GC_THRESHOLDS != (700, 10, 10)
+    assert tuple(out.new_token_ids[:3]) == SERVING_GC_THRESHOLDS
+    assert out.new_token_ids[3] > 1000  # the imports alone are tens of thousands of objects

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -58,6 +57,7 @@ from vllm.config import VllmConfig
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, launch_engine_core
 from vllm.v1.metrics.gc_timing import GcTimer
+from vllm.v1.serving_gc import freeze_startup_heap
 
 logger = logging.getLogger("vllm.entrypoints.openai.api_server")
 
@@ -108,10 +108,6 @@ async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
         return None
     return task.result()
 
-
-# gc.set_threshold of a serving API server: young collections 10x rarer than Python's default (700), full ones
-# after 20 older ones instead of 10 (and, as always, only once the long-lived objects grew by 25%).
-_SERVING_GC_THRESHOLDS = (7000, 10, 20)
 
 
 def _respond(result: Any) -> Response:
@@ -253,15 +249,9 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
     try:
         app = build_app(engine, args.api_key)
         # NOTE: everything built so far (imports, torch among them, the app, the engine client) lives as long as
-        # the process: frozen, it is left out of every later collection, which would otherwise walk ~200k
-        # objects (~0.1 s without serving any stream) at each full collection.
-        gc.collect()
-        gc.freeze()
-        # NOTE: serving allocates thousands of short-lived objects per engine step (outputs, chunks, frames), so
-        # Python's default thresholds (700, 10, 10) ran a young collection every few hundred microseconds and a
-        # full one several times a second; at 1024 streams the API servers were paused 16-27% of the time
-        # (VLLM_ENGINE_STEP_TIMING's GC log, H200). Nearly all of it is freed by reference counting anyway.
-        gc.set_threshold(*_SERVING_GC_THRESHOLDS)
+        # the process: frozen, it is left out of every later collection (each full one would walk ~200k objects,
+        # ~0.1 s without serving any stream); then the serving thresholds (vllm/v1/serving_gc.py).
+        freeze_startup_heap()
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5)
         server = uvicorn.Server(config)

@@ -26,7 +26,6 @@ Invariants:
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -45,6 +44,7 @@ from vllm.config import VllmConfig
 from vllm.profiling import maybe_cprofile
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason
 from vllm.v1.metrics.gc_timing import GcTimer
+from vllm.v1.serving_gc import freeze_startup_heap
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -298,9 +298,9 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
             return
         proc = EngineCoreProc(engine_core, input_addresses, output_addresses, parent_pid)
         # NOTE: the start-up objects (model, graphs, buffers) move to a permanent generation, so the cyclic GC's
-        # full collections during serving do not walk them again (each one would stall a step).
-        gc.collect()
-        gc.freeze()
+        # full collections during serving do not walk them again (each one would stall a step); then the serving
+        # thresholds: on Python's defaults a full collection ran every ~0.5 s at ~1000 rows (vllm/v1/serving_gc.py).
+        freeze_startup_heap()
         proc.broadcast(READY, {"num_gpu_blocks": int(getattr(engine_core, "num_gpu_blocks", 0) or 0),
                           "pid": os.getpid()})
         with maybe_cprofile(f"engine_core_{os.getpid()}"):

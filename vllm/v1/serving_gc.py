@@ -1,0 +1,28 @@
+"""The cyclic garbage collector's policy of a serving process (API server, engine core).
+
+Role: `freeze_startup_heap()` runs once a process has built everything that lives as long as it does (imports,
+model, CUDA graphs, app): a full collection, `gc.freeze()` (those objects move to a permanent generation that no
+later collection walks), then SERVING_GC_THRESHOLDS.
+
+Why: serving allocates thousands of short-lived objects per engine step (outputs, lists, chunks, frames), nearly
+all freed by reference counting. With Python's default thresholds (700, 10, 10) the collector ran a young
+collection every few hundred microseconds and a full one several times a second; a full collection walks every
+live request's objects. Measured on the H200 (VLLM_ENGINE_STEP_TIMING's GC log): the API servers paused 16-27%
+of the time at 1024 streams before they took these thresholds, and the engine core, still on the defaults,
+10-12 full collections per 5 s at ~1000 rows of 12-25 ms each (longer than a decode step: the device idles),
+4.6-7.2% of the time paused (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import gc
+
+# Young collections 10x rarer than Python's default (700), full ones after 20 older ones instead of 10 (and, as
+# always, only once the long-lived objects grew by 25%).
+SERVING_GC_THRESHOLDS = (7000, 10, 20)
+
+
+def freeze_startup_heap() -> None:
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*SERVING_GC_THRESHOLDS)
