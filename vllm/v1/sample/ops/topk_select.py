@@ -54,6 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm import envs
+
 _BLOCK_SIZE = 1024
 DEFAULT_CUDA_IMPL = "topk"
 _IMPLS = ("topk", "row", "prefilter")
@@ -197,7 +199,8 @@ def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top
     [num_reqs] int; num_cand: the buffer width C. use_triton (default: logits.is_cuda) runs a kernel,
     which on CPU tensors needs TRITON_INTERPRET; otherwise an equivalent torch version runs.
 
-    impl: "topk", "row" or "prefilter" (default: DEFAULT_CUDA_IMPL on CUDA tensors, "row" elsewhere);
+    impl: "topk", "row" or "prefilter" (default on CUDA tensors: VLLM_TOPK_SELECT_IMPL, else DEFAULT_CUDA_IMPL;
+    "row" elsewhere);
     block_size: the row kernel's block and the ids one prefilter program reads; prefilter_chunk: S, the ids
     behind one chunk maximum; prefilter_cap: the prefilter's per-row buffer (default max(2048, 2 * C), at
     least C)."""
@@ -221,7 +224,9 @@ def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top
     temperature = temperature.to(device=device, dtype=torch.float32).contiguous()
     top_k = top_k.to(device=device, dtype=torch.int32).contiguous()
     if impl is None:
-        impl = DEFAULT_CUDA_IMPL if logits.is_cuda else "row"
+        impl = (envs.VLLM_TOPK_SELECT_IMPL or DEFAULT_CUDA_IMPL) if logits.is_cuda else "row"
+        if impl not in _IMPLS:
+            raise ValueError(f"VLLM_TOPK_SELECT_IMPL must be one of {_IMPLS}, got {impl!r}")
     out = (ids, values, counts, kth)
     if num_reqs == 0:
         pass
