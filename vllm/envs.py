@@ -73,6 +73,9 @@ _VARS = {
     # Performance work only: the CUDA events the engine's threads wait on sleep instead of spinning
     # (vllm/v1/cuda_events.py).
     "VLLM_OUTPUT_BLOCKING_SYNC": lambda: _bool("VLLM_OUTPUT_BLOCKING_SYNC", False),
+    # Performance work only: the sampler's top-k select on CUDA tensors, "topk" (the default), "prefilter" or
+    # "row" (vllm/v1/sample/ops/topk_select.py; the same outputs bit for bit, measured in docs/benchmarks.md).
+    "VLLM_TOPK_SELECT_IMPL": lambda: _str("VLLM_TOPK_SELECT_IMPL"),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
 }

@@ -1,16 +1,20 @@
-"""Device time of the top-k candidate select: torch.topk + a counting read ("topk") vs the radix kernel ("row").
+"""Device time of the top-k candidate select: torch.topk + a counting read ("topk"), the radix kernel ("row")
+and the chunk-maximum prefilter ("prefilter").
 
 Setting (benchmark_sampler.py's): V=151936, top_k=512 for every row, temperature 1, logits = randn * 3
-rounded through bf16, C = 640 (fast_path.num_candidates for max_top_k=512); num_reqs in {64, 256, 512, 1024}.
-References in the same table: torch.topk(k=513) and one read of the logits (`logits.amax(-1)`).
+rounded through bf16 (held as float32, or as bf16 with --dtype bfloat16), C = 640 (fast_path.num_candidates
+for max_top_k=512); num_reqs in {64, 256, 512, 1024}. References in the same table: torch.topk(k=513) and one
+read of the logits (`logits.amax(-1)`). "prefilter_1ovf" is the prefilter on the same logits but for row 0,
+whose first 2 * cap ids hold the row's largest values: its buffer overflows, so the radix kernel selects it
+(the cost of one overflow row).
 
 Each entry is the mean time of one CUDA-graph replay over --iters replays (no launch overhead). Before timing,
-"topk" is checked to give the row kernel's outputs.
+"topk" and "prefilter" (both inputs) are checked to give the row kernel's outputs.
 
 On a machine without CUDA it runs a smoke test under TRITON_INTERPRET on tiny shapes (wall-clock times of the
 interpreter, meaningless as performance).
 
-Usage: python benchmarks/kernels/benchmark_topk_select.py [--out results.json] [--iters 100]
+Usage: python benchmarks/kernels/benchmark_topk_select.py [--out results.json] [--iters 100] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -72,25 +76,30 @@ def same_outputs(a: TopKCandidates, b: TopKCandidates) -> bool:
 
 
 def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, iters: int, block_size: int,
-              device: torch.device) -> dict[str, float | int]:
+              device: torch.device, dtype: torch.dtype, cap: int) -> dict[str, float | int]:
     gen = torch.Generator(device=device).manual_seed(0)
-    logits = (torch.randn(num_reqs, vocab_size, device=device, generator=gen) * 3).to(torch.bfloat16).float()
+    logits = (torch.randn(num_reqs, vocab_size, device=device, generator=gen) * 3).to(torch.bfloat16).to(dtype)
     temperature = torch.ones(num_reqs, device=device)
     k = torch.full((num_reqs,), top_k, dtype=torch.int32, device=device)
     timer = time_graph_ms if device.type == "cuda" else time_wall_ms
+    clustered = logits.clone()
+    clustered[0, :2 * cap] = 40.0 + clustered[0, :2 * cap]
 
-    def select(impl: str) -> TopKCandidates:
-        return select_top_k_candidates(logits, temperature, k, num_cand, use_triton=True, impl=impl,
-                                       block_size=block_size)
+    def select(impl: str, x: torch.Tensor = logits) -> TopKCandidates:
+        return select_top_k_candidates(x, temperature, k, num_cand, use_triton=True, impl=impl,
+                                       block_size=block_size, prefilter_cap=cap)
 
-    if not same_outputs(select("topk"), select("row")):
-        raise SystemExit(f"topk differs from the row kernel at num_reqs={num_reqs}")
+    for impl, x in (("topk", logits), ("prefilter", logits), ("prefilter", clustered)):
+        if not same_outputs(select(impl, x), select("row", x)):
+            raise SystemExit(f"{impl} differs from the row kernel at num_reqs={num_reqs}")
     return {
         "num_reqs": num_reqs, "vocab_size": vocab_size,
         "read_ms": timer(lambda: logits.amax(dim=-1), iters),
         f"torch_topk{top_k + 1}_ms": timer(lambda: logits.topk(top_k + 1, dim=-1), iters),
         "topk_ms": timer(lambda: select("topk"), iters),
         "row_ms": timer(lambda: select("row"), iters),
+        "prefilter_ms": timer(lambda: select("prefilter"), iters),
+        "prefilter_1ovf_ms": timer(lambda: select("prefilter", clustered), iters),
     }
 
 
@@ -98,19 +107,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the logits' dtype")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     if torch.cuda.is_available():
         device = torch.device("cuda")
-        shapes, top_k, num_cand, block, iters = NUM_REQS, TOP_K, NUM_CAND, 1024, args.iters
+        # NOTE: cap 2048 is the prefilter's default at C = 640; named here for the overflow row.
+        shapes, top_k, num_cand, block, iters, cap = NUM_REQS, TOP_K, NUM_CAND, 1024, args.iters, 2048
         vocab_size = VOCAB_SIZE
     else:
-        # NOTE: interpreter smoke test: tiny shapes and a small block.
+        # NOTE: interpreter smoke test: tiny shapes, a small block and a small prefilter buffer.
         device = torch.device("cpu")
-        shapes, top_k, num_cand, block, iters = (2,), 16, 64, 256, 1
+        shapes, top_k, num_cand, block, iters, cap = (2,), 16, 64, 256, 1, 128
         vocab_size = 1500
-    rows = [bench_row(n, vocab_size, top_k, num_cand, iters, block, device) for n in shapes]
+    rows = [bench_row(n, vocab_size, top_k, num_cand, iters, block, device, dtype, cap) for n in shapes]
     columns = [c for c in rows[0] if c.endswith("_ms")]
-    print(f"\ntop-k candidate select, V={vocab_size}, top_k={top_k}, C={num_cand}, device={device.type} "
+    print(f"\ntop-k candidate select, V={vocab_size}, top_k={top_k}, C={num_cand}, {args.dtype} logits, "
+          f"device={device.type} "
           f"({'CUDA-graph replay' if device.type == 'cuda' else 'interpreter wall clock'}), ms per call\n")
     print("| num_reqs | " + " | ".join(c[:-3] for c in columns) + " |")
     print("|---|" + "---|" * len(columns))
@@ -119,7 +132,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       "top_k": top_k, "num_cand": num_cand, "rows": rows}, f, indent=2)
+                       "dtype": args.dtype, "top_k": top_k, "num_cand": num_cand, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

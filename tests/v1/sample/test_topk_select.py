@@ -1,5 +1,6 @@
-"""The top-k candidate selects ("topk": torch.topk + a counting read; "row": the radix kernel) vs a direct
-sort-based reference. Under TRITON_INTERPRET (no GPU) the kernels run on CPU tensors on a few thousand ids."""
+"""The top-k candidate selects ("topk": torch.topk + a counting read; "row": the radix kernel; "prefilter":
+chunk maxima, a gathered buffer and the radix kernel for overflow rows) vs a direct sort-based reference. Under
+TRITON_INTERPRET (no GPU) the kernels run on CPU tensors on a few thousand ids."""
 
 from __future__ import annotations
 
@@ -149,3 +150,248 @@ def test_topk_impl_full_vocabulary_on_gpu() -> None:
     check(got, reference(logits, temperature, top_k, 2600), check_kth=False)
     assert torch.equal(got.counts, row.counts)
     assert torch.equal(got.kth[1:], row.kth[1:])
+
+
+# impl="prefilter": chunk maxima bound the threshold from below, the values above the bound are gathered into a
+# per-row buffer of `cap` slots, the rows whose buffer overflows take the radix kernel. Small chunks and caps
+# so that every path runs on a few thousand ids.
+
+
+def run_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
+                  chunk: int = 32, cap: int | None = None) -> TopKCandidates:
+    return select_top_k_candidates(logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), num_cand,
+                                   use_triton=True, impl="prefilter", block_size=BLOCK, prefilter_chunk=chunk,
+                                   prefilter_cap=cap)
+
+
+def overflow_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int, chunk: int,
+                  cap: int) -> list[int]:
+    """The rows the buffer cannot hold, from the bound written out: t0 = the k-th largest maximum of `chunk`
+    consecutive z (-inf when there are fewer than k chunks); a row overflows when more than cap z are >= t0 and
+    > -inf, unless it is -1 anyway (a NaN or +inf, or k > C)."""
+    rows = []
+    vocab_size = logits.shape[1]
+    for r in range(logits.shape[0]):
+        z = logits[r].float() / temperature[r].float()  # [V]
+        k = min(max(int(top_k[r]), 1), vocab_size)
+        if torch.isnan(z).any() or (z == float("inf")).any() or k > num_cand:
+            continue
+        padded = torch.full((-(-vocab_size // chunk) * chunk,), float("-inf"))
+        padded[:vocab_size] = z
+        maxima = padded.view(-1, chunk).amax(dim=-1).sort(descending=True).values  # [NCH]
+        t0 = float(maxima[k - 1]) if k <= len(maxima) else float("-inf")
+        if int(((z >= t0) & (z > float("-inf"))).sum()) > cap:
+            rows.append(r)
+    return rows
+
+
+def check_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
+                    chunk: int = 32, cap: int | None = None) -> list[int]:
+    """impl="prefilter" against the sort reference and the torch select: the same counts (-1 on the same rows),
+    and on every other row the same ids, values and kth. Returns the counts."""
+    got = run_prefilter(logits, temperature, top_k, num_cand, chunk, cap)
+    want = reference(logits, temperature, top_k, num_cand)
+    check(got, want, check_kth=False)
+    held = [r for r, w in enumerate(want) if w[0] >= 0]
+    assert [float(got.kth[r]) for r in held] == [want[r][1] for r in held]
+    torch_select = select_top_k_candidates(logits, temperature, top_k, num_cand, use_triton=False)
+    assert torch.equal(got.counts.cpu(), torch_select.counts)
+    for r in held:
+        n = int(got.counts[r])
+        assert torch.equal(got.token_ids[r, :n].cpu(), torch_select.token_ids[r, :n])
+        assert torch.equal(got.values[r, :n].cpu(), torch_select.values[r, :n])
+    return [w[0] for w in want]
+
+
+@pytest.fixture
+def row_kernel_flags(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The rows each prefilter call hands to the radix kernel."""
+    calls: list[list[int]] = []
+    run = topk_select._run_row_kernel
+
+    def spy(*args, row_flag: torch.Tensor | None = None, **kwargs) -> None:  # noqa: ANN002, ANN003
+        calls.append(row_flag.nonzero().flatten().tolist() if row_flag is not None else None)
+        run(*args, row_flag=row_flag, **kwargs)
+
+    monkeypatch.setattr(topk_select, "_run_row_kernel", spy)
+    return calls
+
+
+def consecutive_floats(num_reqs: int, vocab_size: int, start: float, seed: int) -> torch.Tensor:
+    """Rows of distinct, adjacent float32 values in a random order."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.tensor([start], dtype=torch.float32).view(torch.int32)
+    steps = torch.stack([torch.randperm(vocab_size, generator=gen) for _ in range(num_reqs)]).to(torch.int32)
+    return (base + steps).view(torch.float32)
+
+
+def test_prefilter_matches_reference(row_kernel_flags: list[list[int]]) -> None:
+    """Rows the buffer holds (the radix kernel runs on none of them): random bf16-valued rows as float32 and as a
+    bf16 tensor, float32 rows of adjacent values whose division merges neighbours into equal z (a tie at the
+    threshold), ties inside and past C, +-0.0, NaN/+inf/-inf rows and the k bounds (k > NCH through t0 = -inf)."""
+    logits = bf16_logits(4, 3001, 3001)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 0.31])
+    top_k = torch.tensor([1, 50, 90, 17], dtype=torch.int32)
+    check_prefilter(logits, temperature, top_k, 400)
+    check_prefilter(logits.to(torch.bfloat16), temperature, top_k, 400)
+
+    adjacent = consecutive_floats(3, 3001, 1.9, 11)
+    merge_t = torch.tensor([1.5, 1.5, 3.0])
+    merge_k = torch.tensor([10, 101, 150], dtype=torch.int32)
+    assert all(len(set((adjacent[r] / merge_t[r]).tolist())) < 3001 for r in range(3))
+    assert check_prefilter(adjacent, merge_t, merge_k, 400, chunk=16) == [10, 102, 150]
+
+    ties = bf16_logits(4, 2100, 1)
+    ties[0] = ties[0].round()
+    ties[1] = -5.0 - ties[1].abs()
+    ties[1, 3:2100:7] = 2.0
+    ties[2] = -5.0 - ties[2].abs()
+    ties[2, 100:1600:3] = 2.0
+    ties[3, :600] = 0.0
+    ties[3, 600:1200] = -0.0
+    ties[3, 1200:] = -1.0 - ties[3, 1200:].abs()
+    tie_k = torch.tensor([40, 10, 10, 5], dtype=torch.int32)
+    assert check_prefilter(ties, torch.ones(4), tie_k, 400)[1:] == [300, -1, -1]
+    check_prefilter(ties, torch.ones(4), tie_k, 1300)
+
+    bad = bf16_logits(6, 1500, 2)
+    bad[0, 1400] = float("nan")
+    bad[1, 7] = float("inf")
+    bad[2, :] = float("-inf")
+    bad[2, 1000:1003] = 1.0
+    bad[3, :] = float("-inf")
+    bad[4, ::2] = float("-inf")
+    bad[5, 3] = float("-nan")
+    bad_t = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 2.0])
+    counts = check_prefilter(bad, bad_t, torch.full((6,), 10, dtype=torch.int32), 64)
+    assert counts[:4] == [-1, -1, -1, -1] and counts[4] >= 10 and counts[5] == -1
+
+    small = bf16_logits(4, 1300, 3)
+    small_k = torch.tensor([1300, 1800, 0, 100], dtype=torch.int32)
+    assert 100 > 1300 // 32
+    check_prefilter(small, torch.tensor([1.0, 0.9, 1.1, 1.0]), small_k, 1300)
+    assert row_kernel_flags and all(flags == [] for flags in row_kernel_flags)
+
+
+def test_prefilter_overflow_rows_take_the_radix_kernel(row_kernel_flags: list[list[int]]) -> None:
+    """Rows with more than cap values at or above the bound: the large values packed into a few consecutive
+    chunks (so the k-th chunk maximum lies far below kth), fewer chunks than k, a tie group past C that only the
+    radix kernel can tell from a held row, and cap + 1 values > -inf with k > NCH (while cap of them fit). They
+    get the reference's outputs, and only they go to the radix kernel."""
+    logits = bf16_logits(8, 1000, 9)
+    logits[0, 300:700] = 20.0 + torch.randn(400, generator=torch.Generator().manual_seed(1))
+    logits[1, :] = logits[1].round()
+    logits[2, 40:340] = 30.0
+    logits[3, 960:] = 15.0 + torch.arange(40.0)
+    logits[5, 100:300:2] = float("-inf")
+    logits[6, 128:] = float("-inf")
+    logits[7, 129:] = float("-inf")
+    temperature = torch.tensor([1.0, 0.8, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0])
+    top_k = torch.tensor([30, 40, 10, 20, 3, 50, 40, 40], dtype=torch.int32)
+    assert overflow_rows(logits, temperature, top_k, 64, 32, 128) == [0, 1, 2, 5, 7]
+    counts = check_prefilter(logits, temperature, top_k, 64, cap=128)
+    assert counts[0] >= 30 and counts[2] == -1 and counts[3] >= 20 and min(counts[6:]) >= 40
+    assert row_kernel_flags == [[0, 1, 2, 5, 7]]
+
+
+def test_row_kernel_selects_only_flagged_rows() -> None:
+    """With a row flag the radix kernel writes the flagged rows as it does without one and leaves the others."""
+    logits = bf16_logits(4, 900, 12)
+    temperature = torch.tensor([1.0, 0.6, 1.0, 2.0])
+    top_k = torch.tensor([5, 30, 1, 64], dtype=torch.int32)
+    want = reference(logits, temperature, top_k, 64)
+    ids = torch.full((4, 64), -7, dtype=torch.int32, device=DEVICE)
+    values = torch.full((4, 64), -7.0, device=DEVICE)
+    counts = torch.full((4,), -7, dtype=torch.int32, device=DEVICE)
+    kth = torch.full((4,), -7.0, device=DEVICE)
+    flag = torch.tensor([1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
+    topk_select._run_row_kernel(logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), ids, values, counts,
+                                kth, BLOCK, row_flag=flag)
+    check(TopKCandidates(ids[::2], values[::2], counts[::2], kth[::2]), want[::2])
+    assert counts[1::2].tolist() == [-7, -7] and kth[1::2].tolist() == [-7.0, -7.0]
+    assert (ids[1::2] == -7).all() and (values[1::2] == -7.0).all()
+
+
+def test_prefilter_mixed_batch(row_kernel_flags: list[list[int]]) -> None:
+    """Every kind of row in one batch, float32 and bf16: held rows (random, a tie merged by the division, k > NCH
+    with few finite values), -1 rows (ties past C, NaN, +inf, all -inf, fewer finite values than k, k > C) and
+    overflow rows (a cluster, k > NCH), at chunk 16 and cap 256."""
+    vocab_size, num_cand, chunk, cap = 2000, 128, 16, 256
+    logits = bf16_logits(11, vocab_size, 21)
+    logits[1] = consecutive_floats(1, vocab_size, 1.9, 3)[0]
+    logits[2, 1000:1200] = 25.0
+    logits[3, 17] = float("nan")
+    logits[4, 1999] = float("inf")
+    logits[5, :] = float("-inf")
+    logits[6, 200:] = float("-inf")
+    logits[7, 100:] = float("-inf")
+    logits[8, 1500:1900] = 18.0 + torch.randn(400, generator=torch.Generator().manual_seed(2))
+    logits[10, 1850:] = float("-inf")
+    temperature = torch.tensor([0.9, 1.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7])
+    top_k = torch.tensor([7, 99, 20, 5, 5, 5, 127, 120, 30, 200, 126], dtype=torch.int32)
+    assert vocab_size // chunk < 126 < 127 <= num_cand
+    assert overflow_rows(logits, temperature, top_k, num_cand, chunk, cap) == [8, 10]
+    want = [7, 100, -1, -1, -1, -1, 127, -1, 30, -1, 127]
+    assert check_prefilter(logits, temperature, top_k, num_cand, chunk, cap) == want
+    bf16 = logits.to(torch.bfloat16)
+    bf16[1] = bf16_logits(1, vocab_size, 4)[0].to(torch.bfloat16)
+    assert overflow_rows(bf16, temperature, top_k, num_cand, chunk, cap) == [8, 10]
+    assert [c >= 0 for c in check_prefilter(bf16, temperature, top_k, num_cand, chunk, cap)] == [c >= 0 for c in want]
+    assert row_kernel_flags == [[8, 10], [8, 10]]
+
+
+def test_prefilter_argument_validation() -> None:
+    logits, temperature, top_k = torch.zeros(1, 100), torch.ones(1), torch.ones(1, dtype=torch.int32)
+    for chunk in (1, 24, 512):
+        with pytest.raises(ValueError, match="prefilter_chunk"):
+            select_top_k_candidates(logits, temperature, top_k, 8, impl="prefilter", block_size=256,
+                                    prefilter_chunk=chunk)
+    with pytest.raises(ValueError, match="prefilter_cap"):
+        select_top_k_candidates(logits, temperature, top_k, 8, impl="prefilter", prefilter_cap=7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefilter_full_vocabulary_on_gpu(dtype: torch.dtype, row_kernel_flags: list[list[int]]) -> None:
+    """The compiled kernels at the real shape: random rows, a NaN, a tie group past C, k > C, one row whose top
+    values fill 8192 consecutive ids (its buffer overflows) and a row with all but 300 ids at -inf."""
+    vocab_size, num_reqs, num_cand = 151936, 48, 2600
+    logits = bf16_logits(num_reqs, vocab_size, 5)
+    logits[0, 5] = float("nan")
+    logits[1, 100:100000:97] = 40.0
+    logits[2, 50000:58192] = 30.0 + logits[2, 50000:58192]
+    logits[3, 300:] = float("-inf")
+    temperature = torch.rand(num_reqs, generator=torch.Generator().manual_seed(6)) + 0.3
+    top_k = torch.randint(1, 2048, (num_reqs,), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    top_k[2:4] = torch.tensor([1000, 200], dtype=torch.int32)
+    top_k[4] = 3000
+    logits = logits.to(dtype)
+    assert overflow_rows(logits, temperature, top_k, num_cand, 32, 2 * num_cand) == [2]
+    got = select_top_k_candidates(logits.cuda(), temperature.cuda(), top_k.cuda(), num_cand, impl="prefilter")
+    want = reference(logits, temperature, top_k, num_cand)
+    check(got, want, check_kth=False)
+    assert all(float(got.kth[r]) == w[1] for r, w in enumerate(want) if w[0] >= 0)
+    counts = [w[0] for w in want]
+    assert counts[0] == counts[4] == -1 and min(counts[1:4]) >= 200 and row_kernel_flags == [[2]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the switch picks the CUDA default)")
+def test_select_impl_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_TOPK_SELECT_IMPL picks the CUDA select when no impl is given; an unknown one is refused."""
+    logits = bf16_logits(8, 151936, 9).cuda()
+    temperature = torch.ones(8, device="cuda")
+    top_k = torch.tensor([1, 5, 40, 512, 512, 100, 2, 300], dtype=torch.int32, device="cuda")
+    calls: list[str] = []
+    for name in ("_select_topk", "_select_prefilter"):
+        real = getattr(topk_select, name)
+        monkeypatch.setattr(topk_select, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a)))
+    monkeypatch.setenv("VLLM_TOPK_SELECT_IMPL", "prefilter")
+    got = select_top_k_candidates(logits, temperature, top_k, 640)
+    monkeypatch.delenv("VLLM_TOPK_SELECT_IMPL")
+    default = select_top_k_candidates(logits, temperature, top_k, 640)
+    assert calls == ["_select_prefilter", "_select_topk"]
+    check(got, reference(logits.cpu(), temperature.cpu(), top_k.cpu(), 640))
+    assert torch.equal(got.counts, default.counts) and torch.equal(got.token_ids[:, :8], default.token_ids[:, :8])
+    monkeypatch.setenv("VLLM_TOPK_SELECT_IMPL", "sort")
+    with pytest.raises(ValueError, match="VLLM_TOPK_SELECT_IMPL"):
+        select_top_k_candidates(logits, temperature, top_k, 640)

@@ -4,7 +4,7 @@ Role: for every row, `select_top_k_candidates` finds the k-th largest of z = log
 row's top_k) and writes the ids of every z >= that threshold, in ascending id order, with their z values, into
 a [num_reqs, C] buffer. The fast sampler (vllm/v1/sample/fast_path.py) does everything else on that buffer.
 
-Two implementations (`impl`), with the same outputs bit for bit (and the same as the torch reference
+Three implementations (`impl`), with the same outputs bit for bit (and the same as the torch reference
 `_select_torch` used on CPU tensors):
 - "topk" (the default on CUDA): torch.topk over C columns of the logits gives the threshold, one counting read
   of each row (`_count_at_least_kernel`, many programs per row) the exact count and the NaN/+inf check, and
@@ -16,7 +16,17 @@ Two implementations (`impl`), with the same outputs bit for bit (and the same as
   key of the k-th largest value; a fourth pass writes every key >= it. Four reads of the row, but Triton's
   2048-bin `tl.histogram` makes it compute-bound: ~8.8 ms at 512 rows on the H200 (a version spread over
   many programs per row with atomics measured 7.6 ms, so the histograms, not the parallelism, are the cost).
-  Kept for reference and tests.
+  Kept for reference and tests, and as "prefilter"'s path for the rows its buffer cannot hold (`row_flag`).
+- "prefilter" (`_select_prefilter`): two reads of the logits, no host sync. `_chunk_max_kernel` writes the
+  maximum z of every S = 32 consecutive ids ([num_reqs, NCH], NCH = cdiv(V, S)); t0 = the k-th largest of
+  those maxima (torch.topk over min(C, NCH) columns); `_gather_above_kernel` appends every z >= t0 (and
+  > -inf) with its id to a [num_reqs, cap] buffer (cap = max(2048, 2C)) through a per-row atomic counter;
+  torch.topk over the buffer gives kth and the kept slots, sorted by id as in "topk". Rows with more than
+  cap such values (overflow) are flagged, and the radix kernel, launched over every row, selects only those.
+  For iid values t0 sits where P(chunk max >= t0) = k / NCH, i.e. P(z >= t0) = 1 - (1 - k/NCH)^(1/S): at
+  V = 151936, k = 512 about 540 values are gathered, well under cap. Values packed in consecutive ids (a
+  cluster above the rest) push t0 down and can overflow; an overflow row costs one radix-kernel row
+  (~2.9 ms on the H200, its time at 64 rows), so overflow must stay rare.
 
 Invariants:
 - z is computed as an IEEE round-to-nearest division, so it is bitwise the `logits / temperature` of the
@@ -26,6 +36,12 @@ Invariants:
 - counts[r] == -1 marks a row the buffer cannot represent exactly (more than C values >= kth, or a NaN or
   +inf anywhere in z, or a threshold of -inf); its ids/values are not written. The caller runs the general
   full-vocabulary path for those rows.
+- "prefilter": t0 <= kth, because k distinct chunks have a maximum >= t0, i.e. k values of z are >= t0; so
+  every z >= kth is in the buffer unless it overflowed, and the buffer's k-th largest is the row's kth (when
+  kth = -inf, fewer than k values are > -inf, the buffer holds fewer than k and its k-th is -inf too). A row
+  with k > NCH has no such bound: t0 = -inf (it gathers every z > -inf); a row with k > C is -1 whatever its
+  kth (k values >= it): t0 = +inf. Overflow rows (not bad, k <= C, more than cap gathered) get their outputs
+  from the radix kernel, so every row is exact; none is -1 for lack of room.
 """
 
 from __future__ import annotations
@@ -38,10 +54,14 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm import envs
+
 _BLOCK_SIZE = 1024
 DEFAULT_CUDA_IMPL = "topk"
-_IMPLS = ("topk", "row")
+_IMPLS = ("topk", "row", "prefilter")
 _COUNT_CHUNK = 4096
+_PREFILTER_CHUNK = 32
+_PREFILTER_CAP = 2048
 logger = logging.getLogger(__name__)
 
 
@@ -89,11 +109,16 @@ def _topk_select_kernel(
     cand_stride,
     counts_ptr,  # [num_reqs] int32
     kth_ptr,  # [num_reqs] float32
+    row_flag_ptr,  # [num_reqs] int32 (HAS_FLAG): a row whose flag is 0 is left as it is
     vocab_size,
     num_cand,
     BLOCK_SIZE: tl.constexpr,
+    HAS_FLAG: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if HAS_FLAG:
+        if tl.load(row_flag_ptr + row) == 0:
+            return
     row_ptr = logits_ptr + row * logits_stride
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     k = tl.minimum(tl.maximum(tl.load(top_k_ptr + row), 1), vocab_size)
@@ -168,17 +193,26 @@ def _disable_kernel() -> None:
 
 def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                             num_cand: int, use_triton: bool | None = None, impl: str | None = None,
-                            block_size: int = _BLOCK_SIZE) -> TopKCandidates:
+                            block_size: int = _BLOCK_SIZE, prefilter_chunk: int = _PREFILTER_CHUNK,
+                            prefilter_cap: int | None = None) -> TopKCandidates:
     """logits: [num_reqs, V] float (unit stride on V); temperature: [num_reqs] float32 (> 0); top_k:
     [num_reqs] int; num_cand: the buffer width C. use_triton (default: logits.is_cuda) runs a kernel,
     which on CPU tensors needs TRITON_INTERPRET; otherwise an equivalent torch version runs.
 
-    impl: "topk" or "row" (default: DEFAULT_CUDA_IMPL on CUDA tensors, "row" elsewhere); block_size: the row
-    kernel's block."""
+    impl: "topk", "row" or "prefilter" (default on CUDA tensors: VLLM_TOPK_SELECT_IMPL, else DEFAULT_CUDA_IMPL;
+    "row" elsewhere);
+    block_size: the row kernel's block and the ids one prefilter program reads; prefilter_chunk: S, the ids
+    behind one chunk maximum; prefilter_cap: the prefilter's per-row buffer (default max(2048, 2 * C), at
+    least C)."""
     if impl is not None and impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    if not 2 <= prefilter_chunk <= block_size or prefilter_chunk & (prefilter_chunk - 1):
+        raise ValueError(f"prefilter_chunk must be a power of two in [2, block_size], got {prefilter_chunk}")
+    cap = max(_PREFILTER_CAP, 2 * num_cand) if prefilter_cap is None else prefilter_cap
+    if cap < num_cand:
+        raise ValueError(f"prefilter_cap must be at least num_cand ({num_cand}), got {cap}")
     num_reqs, vocab_size = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -190,23 +224,38 @@ def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top
     temperature = temperature.to(device=device, dtype=torch.float32).contiguous()
     top_k = top_k.to(device=device, dtype=torch.int32).contiguous()
     if impl is None:
-        impl = DEFAULT_CUDA_IMPL if logits.is_cuda else "row"
+        impl = (envs.VLLM_TOPK_SELECT_IMPL or DEFAULT_CUDA_IMPL) if logits.is_cuda else "row"
+        if impl not in _IMPLS:
+            raise ValueError(f"VLLM_TOPK_SELECT_IMPL must be one of {_IMPLS}, got {impl!r}")
+    out = (ids, values, counts, kth)
     if num_reqs == 0:
         pass
     elif (use_triton if use_triton is not None else logits.is_cuda) and not _kernel_failed:
         try:
             if impl == "topk":
-                _select_topk(logits, temperature, top_k, ids, values, counts, kth)
+                _select_topk(logits, temperature, top_k, *out)
+            elif impl == "prefilter":
+                _select_prefilter(logits, temperature, top_k, *out, block_size, prefilter_chunk, cap)
             else:
-                _topk_select_kernel[(num_reqs,)](
-                    logits, logits.stride(0), temperature, top_k, ids, values, num_cand, counts, kth, vocab_size,
-                    num_cand, BLOCK_SIZE=block_size)
+                _run_row_kernel(logits, temperature, top_k, *out, block_size)
         except triton.CompilationError:
             _disable_kernel()
-            _select_torch(logits, temperature, top_k, ids, values, counts, kth)
+            _select_torch(logits, temperature, top_k, *out)
     else:
-        _select_torch(logits, temperature, top_k, ids, values, counts, kth)
-    return TopKCandidates(ids, values, counts, kth)
+        _select_torch(logits, temperature, top_k, *out)
+    return TopKCandidates(*out)
+
+
+def _run_row_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, ids: torch.Tensor,
+                    values: torch.Tensor, counts: torch.Tensor, kth: torch.Tensor, block_size: int,
+                    row_flag: torch.Tensor | None = None) -> None:
+    """The radix select, one program per row; with row_flag ([num_reqs] int32) only the rows flagged nonzero."""
+    num_reqs, vocab_size = logits.shape
+    # NOTE: without a flag, counts stands in for its pointer; HAS_FLAG=False compiles the read away.
+    _topk_select_kernel[(num_reqs,)](
+        logits, logits.stride(0), temperature, top_k, ids, values, ids.stride(0), counts, kth,
+        counts if row_flag is None else row_flag, vocab_size, ids.shape[1], BLOCK_SIZE=block_size,
+        HAS_FLAG=row_flag is not None)
 
 
 @triton.jit
@@ -258,6 +307,102 @@ def _select_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     values[:, :width] = z.gather(1, order)
     counts.copy_(torch.where(ok, full, -1))
     kth.copy_(kth_z[:, 0])
+
+
+@triton.jit
+def _chunk_max_kernel(
+    logits_ptr,  # [num_reqs, V] float
+    logits_stride,
+    temperature_ptr,  # [num_reqs] float32
+    chunk_max_ptr,  # [num_reqs, NCH] float32
+    vocab_size,
+    num_chunks,
+    BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.program_id(1) * (BLOCK_SIZE // CHUNK) + tl.arange(0, BLOCK_SIZE // CHUNK)  # [BLOCK / S]
+    offs = chunks[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # [BLOCK / S, S]
+    valid = offs < vocab_size
+    x = tl.load(logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    z = tl.math.div_rn(x, tl.load(temperature_ptr + row))
+    # NOTE: NaN -> +inf before the max: a NaN can neither hide a chunk's maximum (NaN in a max reduction
+    # differs between compiled code and the interpreter) nor go unseen (+inf maxima mark the row bad).
+    z = tl.where(z != z, float("inf"), z)
+    tl.store(chunk_max_ptr + row * num_chunks + chunks, tl.max(z, axis=1), mask=chunks < num_chunks)
+
+
+@triton.jit
+def _gather_above_kernel(
+    logits_ptr,  # [num_reqs, V] float
+    logits_stride,
+    temperature_ptr,  # [num_reqs] float32
+    t0_ptr,  # [num_reqs] float32
+    num_above_ptr,  # [num_reqs] int32, zeroed
+    buf_ids_ptr,  # [num_reqs, cap] int32
+    buf_values_ptr,  # [num_reqs, cap] float32
+    vocab_size,
+    cap,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    valid = offs < vocab_size
+    x = tl.load(logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    z = tl.math.div_rn(x, tl.load(temperature_ptr + row))
+    keep = valid & (z >= tl.load(t0_ptr + row)) & (z > float("-inf"))
+    flags = keep.to(tl.int32)
+    # NOTE: the atomic hands each program its own slot range; the order across programs is arbitrary, the
+    # finishing sort by id makes the outputs independent of it. Slots past cap are counted, not written.
+    base = tl.atomic_add(num_above_ptr + row, tl.sum(flags, axis=0), sem="relaxed")
+    slots = base + tl.cumsum(flags, axis=0) - flags
+    held = keep & (slots < cap)
+    tl.store(buf_ids_ptr + row * cap + slots, offs, mask=held)
+    tl.store(buf_values_ptr + row * cap + slots, z, mask=held)
+
+
+def _select_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, ids: torch.Tensor,
+                      values: torch.Tensor, counts: torch.Tensor, kth: torch.Tensor, block_size: int, chunk: int,
+                      cap: int) -> None:
+    """A bound t0 <= kth from chunk maxima, every z >= t0 gathered into a [num_reqs, cap] buffer, the exact
+    select on the buffer; the radix kernel for the rows whose buffer overflowed (see the module docstring)."""
+    num_reqs, vocab_size = logits.shape
+    num_cand = ids.shape[1]
+    device = logits.device
+    num_chunks = triton.cdiv(vocab_size, chunk)
+    grid = (num_reqs, triton.cdiv(vocab_size, block_size))
+    chunk_max = torch.empty((num_reqs, num_chunks), dtype=torch.float32, device=device)  # [num_reqs, NCH]
+    _chunk_max_kernel[grid](logits, logits.stride(0), temperature, chunk_max, vocab_size, num_chunks,
+                            BLOCK_SIZE=block_size, CHUNK=chunk)
+    k = top_k.to(torch.long).clamp(1, vocab_size)  # [num_reqs]
+    width = min(num_cand, num_chunks)
+    t0 = chunk_max.topk(width, dim=-1).values.gather(1, (k[:, None] - 1).clamp(max=width - 1))[:, 0]  # [num_reqs]
+    # NOTE: k > C: the row is -1 whatever its kth (k values >= it), so +inf gathers nothing; NCH < k <= C: no
+    # k chunks to bound kth with, so -inf gathers every z > -inf (and the buffer may overflow).
+    t0 = torch.where(k > num_cand, float("inf"), torch.where(k > num_chunks, float("-inf"), t0))
+    bad = (chunk_max == float("inf")).any(dim=-1)  # [num_reqs] bool: a NaN or +inf in z
+    num_above = torch.zeros((num_reqs,), dtype=torch.int32, device=device)  # [num_reqs]
+    buf_ids = torch.empty((num_reqs, cap), dtype=torch.int32, device=device)  # [num_reqs, cap]
+    buf_values = torch.empty((num_reqs, cap), dtype=torch.float32, device=device)  # [num_reqs, cap]
+    _gather_above_kernel[grid](logits, logits.stride(0), temperature, t0, num_above, buf_ids, buf_values,
+                               vocab_size, cap, BLOCK_SIZE=block_size)
+    held = torch.arange(cap, device=device)[None, :] < num_above[:, None]  # [num_reqs, cap] bool
+    buf_values = torch.where(held, buf_values, float("-inf"))
+    top_values, top_slots = buf_values.topk(num_cand, dim=-1)  # [num_reqs, C] descending
+    kth_z = top_values.gather(1, (k[:, None] - 1).clamp(max=num_cand - 1))  # [num_reqs, 1]
+    num_ge = (buf_values >= kth_z).sum(dim=-1)  # [num_reqs]
+    could_hold = ~bad & (k <= num_cand)  # [num_reqs] bool
+    overflow = could_hold & (num_above > cap)  # [num_reqs] bool
+    # NOTE: overflow rows get counts from a partial buffer here; the radix kernel below rewrites them.
+    ok = could_hold & (num_ge <= num_cand) & (kth_z[:, 0] > float("-inf"))
+    # NOTE: ascending ids: the kept slots sorted by id; the others get id V and sort last.
+    order_key, order = torch.where(top_values >= kth_z, buf_ids.gather(1, top_slots), vocab_size).sort(dim=-1)
+    ids.copy_(order_key)
+    values.copy_(top_values.gather(1, order))
+    counts.copy_(torch.where(ok, num_ge, -1))
+    kth.copy_(kth_z[:, 0])
+    _run_row_kernel(logits, temperature, top_k, ids, values, counts, kth, block_size,
+                    row_flag=overflow.to(torch.int32))
 
 
 def _select_torch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, ids: torch.Tensor,
