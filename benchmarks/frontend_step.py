@@ -34,7 +34,7 @@ import numpy as np
 
 from host_step import _model_dir, _runner_output  # noqa: E402 (benchmarks/ is the script's folder)
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.entrypoints.openai.api_server import _SERVING_GC_THRESHOLDS
+from vllm.v1.serving_gc import freeze_startup_heap
 from vllm.entrypoints.openai.protocol import CompletionRequest
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import sse, stream_errors
@@ -213,9 +213,7 @@ def main() -> None:
                      "--clients <= --num-reqs.")
     # NOTE: the garbage collector as an API server runs it (start-up heap frozen, serving thresholds): with Python's
     # defaults the young collections land inside the timed steps and inside whatever allocates in the profile.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*_SERVING_GC_THRESHOLDS)
+    freeze_startup_heap()
     results = []
     print(f"{'reqs':>5} {'clients':>7} {'arm':>7} {'decode':>8} {'process':>8} {'chunks':>8} {'total ms':>9} "
           f"{'us/token':>9} {'kB/step':>9}")
