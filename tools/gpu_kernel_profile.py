@@ -40,7 +40,7 @@ CONFIG = "benchmarks/configs/qwen2.5-1.5b-instruct"
 STAGES = [
     ("gemm", r"gemm|cutlass|nvjet|sm90_xmma|cublas|splitK"),
     ("attention", r"unified_attention|attention|reduce_segments|kv_cache|reshape_and_cache"),
-    ("topk select", r"topk|radix|_count_ge|select|sort|bitonic|_chunk_max|_gather_above"),
+    ("topk select", r"topk|radix|_count_ge|select|sort|bitonic|_chunk_max|_prefilter|_gather_above"),
     ("mask kernels", r"json|pack_rows|compact|mask_chunk|_mask"),
     ("elementwise/norm/rotary (model)", r"rms|norm|rotary|silu|act_and_mul|add|mul|copy|cat"),
 ]

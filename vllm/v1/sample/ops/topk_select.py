@@ -17,16 +17,10 @@ Three implementations (`impl`), with the same outputs bit for bit (and the same 
   2048-bin `tl.histogram` makes it compute-bound: ~8.8 ms at 512 rows on the H200 (a version spread over
   many programs per row with atomics measured 7.6 ms, so the histograms, not the parallelism, are the cost).
   Kept for reference and tests, and as "prefilter"'s path for the rows its buffer cannot hold (`row_flag`).
-- "prefilter" (`_select_prefilter`): two reads of the logits, no host sync. `_chunk_max_kernel` writes the
-  maximum z of every S = 32 consecutive ids ([num_reqs, NCH], NCH = cdiv(V, S)); t0 = the k-th largest of
-  those maxima (torch.topk over min(C, NCH) columns); `_gather_above_kernel` appends every z >= t0 (and
-  > -inf) with its id to a [num_reqs, cap] buffer (cap = max(2048, 2C)) through a per-row atomic counter;
-  torch.topk over the buffer gives kth and the kept slots, sorted by id as in "topk". Rows with more than
-  cap such values (overflow) are flagged, and the radix kernel, launched over every row, selects only those.
-  For iid values t0 sits where P(chunk max >= t0) = k / NCH, i.e. P(z >= t0) = 1 - (1 - k/NCH)^(1/S): at
-  V = 151936, k = 512 about 540 values are gathered, well under cap. Values packed in consecutive ids (a
-  cluster above the rest) push t0 down and can overflow; an overflow row costs one radix-kernel row
-  (~2.9 ms on the H200, its time at 64 rows), so overflow must stay rare.
+- "prefilter" (`_select_prefilter`, topk_prefilter.py): the maximum z of every 32 consecutive ids bounds kth
+  from below; one program per row gathers the few z above that bound, in id order, into a per-row buffer and
+  selects on it; the radix kernel takes the rows whose buffer overflows. One read of the logits and a re-read of
+  ~k * 32 ids per row, no host sync.
 
 Invariants:
 - z is computed as an IEEE round-to-nearest division, so it is bitwise the `logits / temperature` of the
@@ -36,12 +30,7 @@ Invariants:
 - counts[r] == -1 marks a row the buffer cannot represent exactly (more than C values >= kth, or a NaN or
   +inf anywhere in z, or a threshold of -inf); its ids/values are not written. The caller runs the general
   full-vocabulary path for those rows.
-- "prefilter": t0 <= kth, because k distinct chunks have a maximum >= t0, i.e. k values of z are >= t0; so
-  every z >= kth is in the buffer unless it overflowed, and the buffer's k-th largest is the row's kth (when
-  kth = -inf, fewer than k values are > -inf, the buffer holds fewer than k and its k-th is -inf too). A row
-  with k > NCH has no such bound: t0 = -inf (it gathers every z > -inf); a row with k > C is -1 whatever its
-  kth (k values >= it): t0 = +inf. Overflow rows (not bad, k <= C, more than cap gathered) get their outputs
-  from the radix kernel, so every row is exact; none is -1 for lack of room.
+- "prefilter" rows are never -1 for lack of room in its buffer: the radix kernel selects the rows that overflow.
 """
 
 from __future__ import annotations
@@ -55,6 +44,8 @@ import triton
 import triton.language as tl
 
 from vllm import envs
+from vllm.v1.sample.ops.float_keys import float_to_key
+from vllm.v1.sample.ops.topk_prefilter import PrefilterScratch, prefilter_select
 
 _BLOCK_SIZE = 1024
 DEFAULT_CUDA_IMPL = "topk"
@@ -80,11 +71,7 @@ class TopKCandidates(NamedTuple):
 def _load_keys(row_ptr, offs, valid, temperature):
     x = tl.load(row_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     z = tl.math.div_rn(x, temperature)
-    # NOTE: -0.0 == +0.0 as floats, so both must get the same key.
-    z = tl.where(z == 0.0, 0.0, z)
-    bits = z.to(tl.int32, bitcast=True)
-    keys = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return z, keys
+    return z, float_to_key(z)
 
 
 @triton.jit
@@ -201,9 +188,9 @@ def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top
 
     impl: "topk", "row" or "prefilter" (default on CUDA tensors: VLLM_TOPK_SELECT_IMPL, else DEFAULT_CUDA_IMPL;
     "row" elsewhere);
-    block_size: the row kernel's block and the ids one prefilter program reads; prefilter_chunk: S, the ids
-    behind one chunk maximum; prefilter_cap: the prefilter's per-row buffer (default max(2048, 2 * C), at
-    least C)."""
+    block_size: the radix kernel's block, and the values a prefilter row program handles at a time (a
+    chunk-maximum program reads 4 blocks); prefilter_chunk: S, the ids behind one chunk maximum; prefilter_cap:
+    the prefilter's per-row buffer (default max(2048, 2 * C), at least C)."""
     if impl is not None and impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if block_size < 16 or block_size & (block_size - 1):
@@ -309,100 +296,13 @@ def _select_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     kth.copy_(kth_z[:, 0])
 
 
-@triton.jit
-def _chunk_max_kernel(
-    logits_ptr,  # [num_reqs, V] float
-    logits_stride,
-    temperature_ptr,  # [num_reqs] float32
-    chunk_max_ptr,  # [num_reqs, NCH] float32
-    vocab_size,
-    num_chunks,
-    BLOCK_SIZE: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    chunks = tl.program_id(1) * (BLOCK_SIZE // CHUNK) + tl.arange(0, BLOCK_SIZE // CHUNK)  # [BLOCK / S]
-    offs = chunks[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # [BLOCK / S, S]
-    valid = offs < vocab_size
-    x = tl.load(logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    z = tl.math.div_rn(x, tl.load(temperature_ptr + row))
-    # NOTE: NaN -> +inf before the max: a NaN can neither hide a chunk's maximum (NaN in a max reduction
-    # differs between compiled code and the interpreter) nor go unseen (+inf maxima mark the row bad).
-    z = tl.where(z != z, float("inf"), z)
-    tl.store(chunk_max_ptr + row * num_chunks + chunks, tl.max(z, axis=1), mask=chunks < num_chunks)
-
-
-@triton.jit
-def _gather_above_kernel(
-    logits_ptr,  # [num_reqs, V] float
-    logits_stride,
-    temperature_ptr,  # [num_reqs] float32
-    t0_ptr,  # [num_reqs] float32
-    num_above_ptr,  # [num_reqs] int32, zeroed
-    buf_ids_ptr,  # [num_reqs, cap] int32
-    buf_values_ptr,  # [num_reqs, cap] float32
-    vocab_size,
-    cap,
-    BLOCK_SIZE: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    valid = offs < vocab_size
-    x = tl.load(logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    z = tl.math.div_rn(x, tl.load(temperature_ptr + row))
-    keep = valid & (z >= tl.load(t0_ptr + row)) & (z > float("-inf"))
-    flags = keep.to(tl.int32)
-    # NOTE: the atomic hands each program its own slot range; the order across programs is arbitrary, the
-    # finishing sort by id makes the outputs independent of it. Slots past cap are counted, not written.
-    base = tl.atomic_add(num_above_ptr + row, tl.sum(flags, axis=0), sem="relaxed")
-    slots = base + tl.cumsum(flags, axis=0) - flags
-    held = keep & (slots < cap)
-    tl.store(buf_ids_ptr + row * cap + slots, offs, mask=held)
-    tl.store(buf_values_ptr + row * cap + slots, z, mask=held)
-
-
 def _select_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, ids: torch.Tensor,
                       values: torch.Tensor, counts: torch.Tensor, kth: torch.Tensor, block_size: int, chunk: int,
-                      cap: int) -> None:
-    """A bound t0 <= kth from chunk maxima, every z >= t0 gathered into a [num_reqs, cap] buffer, the exact
-    select on the buffer; the radix kernel for the rows whose buffer overflowed (see the module docstring)."""
-    num_reqs, vocab_size = logits.shape
-    num_cand = ids.shape[1]
-    device = logits.device
-    num_chunks = triton.cdiv(vocab_size, chunk)
-    grid = (num_reqs, triton.cdiv(vocab_size, block_size))
-    chunk_max = torch.empty((num_reqs, num_chunks), dtype=torch.float32, device=device)  # [num_reqs, NCH]
-    _chunk_max_kernel[grid](logits, logits.stride(0), temperature, chunk_max, vocab_size, num_chunks,
-                            BLOCK_SIZE=block_size, CHUNK=chunk)
-    k = top_k.to(torch.long).clamp(1, vocab_size)  # [num_reqs]
-    width = min(num_cand, num_chunks)
-    t0 = chunk_max.topk(width, dim=-1).values.gather(1, (k[:, None] - 1).clamp(max=width - 1))[:, 0]  # [num_reqs]
-    # NOTE: k > C: the row is -1 whatever its kth (k values >= it), so +inf gathers nothing; NCH < k <= C: no
-    # k chunks to bound kth with, so -inf gathers every z > -inf (and the buffer may overflow).
-    t0 = torch.where(k > num_cand, float("inf"), torch.where(k > num_chunks, float("-inf"), t0))
-    bad = (chunk_max == float("inf")).any(dim=-1)  # [num_reqs] bool: a NaN or +inf in z
-    num_above = torch.zeros((num_reqs,), dtype=torch.int32, device=device)  # [num_reqs]
-    buf_ids = torch.empty((num_reqs, cap), dtype=torch.int32, device=device)  # [num_reqs, cap]
-    buf_values = torch.empty((num_reqs, cap), dtype=torch.float32, device=device)  # [num_reqs, cap]
-    _gather_above_kernel[grid](logits, logits.stride(0), temperature, t0, num_above, buf_ids, buf_values,
-                               vocab_size, cap, BLOCK_SIZE=block_size)
-    held = torch.arange(cap, device=device)[None, :] < num_above[:, None]  # [num_reqs, cap] bool
-    buf_values = torch.where(held, buf_values, float("-inf"))
-    top_values, top_slots = buf_values.topk(num_cand, dim=-1)  # [num_reqs, C] descending
-    kth_z = top_values.gather(1, (k[:, None] - 1).clamp(max=num_cand - 1))  # [num_reqs, 1]
-    num_ge = (buf_values >= kth_z).sum(dim=-1)  # [num_reqs]
-    could_hold = ~bad & (k <= num_cand)  # [num_reqs] bool
-    overflow = could_hold & (num_above > cap)  # [num_reqs] bool
-    # NOTE: overflow rows get counts from a partial buffer here; the radix kernel below rewrites them.
-    ok = could_hold & (num_ge <= num_cand) & (kth_z[:, 0] > float("-inf"))
-    # NOTE: ascending ids: the kept slots sorted by id; the others get id V and sort last.
-    order_key, order = torch.where(top_values >= kth_z, buf_ids.gather(1, top_slots), vocab_size).sort(dim=-1)
-    ids.copy_(order_key)
-    values.copy_(top_values.gather(1, order))
-    counts.copy_(torch.where(ok, num_ge, -1))
-    kth.copy_(kth_z[:, 0])
-    _run_row_kernel(logits, temperature, top_k, ids, values, counts, kth, block_size,
-                    row_flag=overflow.to(torch.int32))
+                      cap: int) -> PrefilterScratch:
+    """The prefilter (topk_prefilter.py), then the radix kernel on the rows whose buffer overflowed."""
+    scratch = prefilter_select(logits, temperature, top_k, ids, values, counts, kth, block_size, chunk, cap)
+    _run_row_kernel(logits, temperature, top_k, ids, values, counts, kth, block_size, row_flag=scratch.row_flag)
+    return scratch
 
 
 def _select_torch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, ids: torch.Tensor,
