@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.v1.sample.ops import topk_select
+from vllm.v1.sample.ops import topk_prefilter, topk_select
 from vllm.v1.sample.ops.topk_select import TopKCandidates, select_top_k_candidates
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,9 +158,9 @@ def test_topk_impl_full_vocabulary_on_gpu() -> None:
 
 
 def run_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
-                  chunk: int = 32, cap: int | None = None) -> TopKCandidates:
+                  chunk: int = 32, cap: int | None = None, block: int = BLOCK) -> TopKCandidates:
     return select_top_k_candidates(logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), num_cand,
-                                   use_triton=True, impl="prefilter", block_size=BLOCK, prefilter_chunk=chunk,
+                                   use_triton=True, impl="prefilter", block_size=block, prefilter_chunk=chunk,
                                    prefilter_cap=cap)
 
 
@@ -186,10 +186,10 @@ def overflow_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def check_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
-                    chunk: int = 32, cap: int | None = None) -> list[int]:
+                    chunk: int = 32, cap: int | None = None, block: int = BLOCK) -> list[int]:
     """impl="prefilter" against the sort reference and the torch select: the same counts (-1 on the same rows),
     and on every other row the same ids, values and kth. Returns the counts."""
-    got = run_prefilter(logits, temperature, top_k, num_cand, chunk, cap)
+    got = run_prefilter(logits, temperature, top_k, num_cand, chunk, cap, block)
     want = reference(logits, temperature, top_k, num_cand)
     check(got, want, check_kth=False)
     held = [r for r, w in enumerate(want) if w[0] >= 0]
@@ -338,6 +338,111 @@ def test_prefilter_mixed_batch(row_kernel_flags: list[list[int]]) -> None:
     assert overflow_rows(bf16, temperature, top_k, num_cand, chunk, cap) == [8, 10]
     assert [c >= 0 for c in check_prefilter(bf16, temperature, top_k, num_cand, chunk, cap)] == [c >= 0 for c in want]
     assert row_kernel_flags == [[8, 10], [8, 10]]
+
+
+def expected_gather(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
+                    chunk: int) -> list[tuple[float, int, list[int]]]:
+    """Per row (t0, the number of chunks with a maximum >= t0 and > -inf, the ascending ids of z >= t0 and > -inf),
+    written out: t0 = the k-th largest maximum of `chunk` consecutive z (a NaN counted as +inf), -inf when there
+    are fewer than k chunks, +inf when k > C."""
+    rows = []
+    vocab_size = logits.shape[1]
+    for r in range(logits.shape[0]):
+        z = logits[r].float() / temperature[r].float()  # [V]
+        k = min(max(int(top_k[r]), 1), vocab_size)
+        padded = torch.full((-(-vocab_size // chunk) * chunk,), float("-inf"))
+        padded[:vocab_size] = torch.where(torch.isnan(z), float("inf"), z)
+        maxima = padded.view(-1, chunk).amax(dim=-1)  # [NCH]
+        ordered = maxima.sort(descending=True).values  # [NCH]
+        t0 = float("inf") if k > num_cand else float(ordered[k - 1]) if k <= len(ordered) else float("-inf")
+        num_listed = int(((maxima >= t0) & (maxima > float("-inf"))).sum())
+        rows.append((t0, num_listed, ((z >= t0) & (z > float("-inf"))).nonzero().flatten().tolist()))
+    return rows
+
+
+def run_prefilter_scratch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
+                          chunk: int, cap: int, block: int) -> tuple[TopKCandidates, topk_prefilter.PrefilterScratch]:
+    num_reqs = logits.shape[0]
+    out = TopKCandidates(torch.empty((num_reqs, num_cand), dtype=torch.int32, device=DEVICE),
+                         torch.empty((num_reqs, num_cand), dtype=torch.float32, device=DEVICE),
+                         torch.empty((num_reqs,), dtype=torch.int32, device=DEVICE),
+                         torch.empty((num_reqs,), dtype=torch.float32, device=DEVICE))
+    scratch = topk_select._select_prefilter(logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), *out,
+                                            block, chunk, cap)
+    return out, scratch
+
+
+def gather_case_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V = 1001 (a last chunk of one id at S = 8): random at T = 0.7, all negative, rounded ties, k > NCH with
+    -inf past id 300, k > C, a NaN in the last chunk, +-0.0 over 800 ids, a cluster, k = NCH, three finite ids."""
+    logits = bf16_logits(10, 1001, 31)
+    logits[1] = -5.0 - logits[1].abs()
+    logits[2] = logits[2].round()
+    logits[3, 300:] = float("-inf")
+    logits[5, 1000] = float("nan")
+    logits[6, :500] = 0.0
+    logits[6, 500:800] = -0.0
+    logits[6, 800:] = -1.0 - logits[6, 800:].abs()
+    logits[7, 100:600] = 20.0 + logits[7, 100:600]
+    logits[9, :] = float("-inf")
+    logits[9, [5, 6, 700]] = torch.tensor([1.0, 2.0, 3.0])
+    temperature = torch.tensor([0.7, 1.0, 1.0, 1.3, 1.0, 1.0, 1.0, 0.9, 1.0, 1.0])
+    top_k = torch.tensor([20, 9, 30, 130, 250, 10, 5, 30, 126, 10], dtype=torch.int32)
+    return logits, temperature, top_k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefilter_bound_and_gather_are_exact(dtype: torch.dtype) -> None:
+    """The per-row kernel's bound is the k-th largest chunk maximum bit for bit, it lists exactly the chunks with a
+    maximum >= t0 and > -inf, its buffer holds exactly the z >= t0 (> -inf) in ascending id order (the first cap of
+    them where it overflows, with a count past cap), the overflow flag is set where the buffer cannot hold them, and
+    kth is the reference's on every row that is not bad and has k <= C (-inf with fewer than k values > -inf); with
+    a 32-id block every loop (the bound's 32 counting steps over 126 maxima, the chunk list, the gather, the select
+    over the buffer) runs over several blocks."""
+    logits, temperature, top_k = gather_case_rows()
+    logits = logits.to(dtype)
+    num_cand, chunk, cap = 200, 8, 500
+    got, scratch = run_prefilter_scratch(logits, temperature, top_k, num_cand, chunk, cap, block=32)
+    gathered = expected_gather(logits, temperature, top_k, num_cand, chunk)
+    want = reference(logits, temperature, top_k, num_cand)
+    check(got, want, check_kth=False)
+    overflow = [r for r, (_, _, ids) in enumerate(gathered) if len(ids) > cap]
+    assert overflow == [6, 8] and len(gathered[3][2]) == 300 and len(gathered[9][2]) == 3 and gathered[4][2] == []
+    assert gathered[4][0] == float("inf") and gathered[9][0] == float("-inf") and gathered[1][0] < 0
+    assert 1000 not in gathered[5][2] and want[5][0] == -1 and want[9][0] == -1
+    assert gathered[3][1] == 38 and gathered[9][1] == 2
+    assert scratch.row_flag.tolist() == [int(r in overflow) for r in range(10)]
+    for r, (t0, num_listed, ids) in enumerate(gathered):
+        assert float(scratch.t0[r]) == t0 and int(scratch.num_listed[r]) == num_listed, r
+        n = min(len(ids), cap)
+        assert int(scratch.num_above[r]) == len(ids) if len(ids) <= cap else int(scratch.num_above[r]) > cap, r
+        assert scratch.buf_ids[r, :n].tolist() == ids[:n], r
+        z = logits[r].float() / temperature[r]
+        assert torch.equal(scratch.buf_values[r, :n].cpu(), z[ids[:n]]), r
+        if r not in (4, 5):
+            assert float(got.kth[r]) == want[r][1], r
+
+
+def test_prefilter_small_blocks_match_reference(row_kernel_flags: list[list[int]]) -> None:
+    """16-id blocks, C = cap = 128, S = 4 (NCH = 64): k > NCH with 256 values > -inf (the buffer fills exactly at
+    a block boundary with more to come: overflow) and with 128 (it fills exactly: held), -inf before id 128, a
+    buffer whose first blocks hold no value >= kth (the large values sit in the last ids), and plain rows."""
+    vocab_size, num_cand, chunk = 256, 128, 4
+    logits = bf16_logits(6, vocab_size, 41)
+    logits[1, 128:] = float("-inf")
+    logits[3, :128] = float("-inf")
+    logits[4, 200:] = 10.0 + torch.arange(56.0)
+    temperature = torch.tensor([1.0, 0.8, 1.0, 1.2, 1.0, 0.6])
+    top_k = torch.tensor([100, 70, 10, 100, 20, 1], dtype=torch.int32)
+    gathered = expected_gather(logits, temperature, top_k, num_cand, chunk)
+    assert [len(ids) for _, _, ids in gathered[:4]] == [256, 128, len(gathered[2][2]), 128]
+    first_kept = gathered[4][2].index(236)
+    assert first_kept >= 16 and all(i >= 200 for i in gathered[4][2][first_kept - 16:])
+    counts = check_prefilter(logits, temperature, top_k, num_cand, chunk, num_cand, block=16)
+    assert min(counts) >= 1
+    counts = check_prefilter(logits.to(torch.bfloat16), temperature, top_k, num_cand, chunk, num_cand, block=16)
+    assert min(counts) >= 1
+    assert row_kernel_flags == [[0], [0]]
 
 
 def test_prefilter_argument_validation() -> None:
