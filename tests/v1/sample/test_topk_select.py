@@ -373,12 +373,17 @@ def run_prefilter_scratch(logits: torch.Tensor, temperature: torch.Tensor, top_k
 
 
 def gather_case_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """V = 1001 (a last chunk of one id at S = 8): random at T = 0.7, all negative, rounded ties, k > NCH with
-    -inf past id 300, k > C, a NaN in the last chunk, +-0.0 over 800 ids, a cluster, k = NCH, three finite ids."""
+    """V = 1001 (a last chunk of one id at S = 8): random at T = 0.7, all negative, rounded ties with the largest
+    value in the last chunk (the next row starts with larger ones), k > NCH with -inf past id 300, k > C, a NaN in
+    the last chunk (and two large values in the first, so that only the NaN check can make the row -1), +-0.0 over
+    800 ids, a cluster, k = NCH, three finite ids."""
     logits = bf16_logits(10, 1001, 31)
     logits[1] = -5.0 - logits[1].abs()
     logits[2] = logits[2].round()
+    logits[2, 1000] = 50.0
+    logits[3, :7] = 60.0
     logits[3, 300:] = float("-inf")
+    logits[5, :2] = torch.tensor([30.0, 31.0])
     logits[5, 1000] = float("nan")
     logits[6, :500] = 0.0
     logits[6, 500:800] = -0.0
@@ -409,7 +414,8 @@ def test_prefilter_bound_and_gather_are_exact(dtype: torch.dtype) -> None:
     overflow = [r for r, (_, _, ids) in enumerate(gathered) if len(ids) > cap]
     assert overflow == [6, 8] and len(gathered[3][2]) == 300 and len(gathered[9][2]) == 3 and gathered[4][2] == []
     assert gathered[4][0] == float("inf") and gathered[9][0] == float("-inf") and gathered[1][0] < 0
-    assert 1000 not in gathered[5][2] and want[5][0] == -1 and want[9][0] == -1
+    assert 1000 not in gathered[5][2] and len(gathered[5][2]) >= 10 and want[5][0] == -1 and want[9][0] == -1
+    assert gathered[2][2][-1] == 1000
     assert gathered[3][1] == 38 and gathered[9][1] == 2
     assert scratch.row_flag.tolist() == [int(r in overflow) for r in range(10)]
     for r, (t0, num_listed, ids) in enumerate(gathered):
