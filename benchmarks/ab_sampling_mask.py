@@ -18,6 +18,8 @@ Invariants:
 - The server's whole process group (API server and engine core) is gone before the next arm starts.
 - --budget-s bounds the whole run: each arm gets an equal share of the time left when it starts, spread over
   its levels through benchmark_serving's --level-timeout (a level cut short still reports tokens/s so far).
+  `--arm-level-timeout ARM=S` caps one arm's levels at S seconds instead (e.g. the pre-change arm, whose
+  levels never finish: its flat throughput shows in a few seconds); the time it leaves goes to the arms after it.
 - With --rounds N every arm runs N times, the arm order reversed every other round (A B, B A, ...: drift of the
   machine falls on both sides); the table shows each level's median over the rounds and the ratios of those
   medians, then every round's own ratios (arms of one round ran minutes apart, rounds further apart).
@@ -206,7 +208,7 @@ def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix:
         result["startup_s"] = time.monotonic() - t0
         log(f"{arm}: healthy after {result['startup_s']:.0f}s")
         for i, concurrency in enumerate(args.concurrencies):
-            level_timeout = min(args.level_timeout,
+            level_timeout = min(arm_level_timeout(args, arm),
                                 (arm_deadline - time.monotonic()) / (len(args.concurrencies) - i))
             if level_timeout < 5.0:
                 log(f"{arm}: c={concurrency} skipped, out of time (--budget-s)")
@@ -227,6 +229,22 @@ def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix:
         result["step_timing"] = parse_step_timing(log_path)
         result["gc"] = parse_gc_pauses(log_path)
     return result
+
+
+def arm_level_timeout(args: argparse.Namespace, arm: str) -> float:
+    """The most seconds per level of `arm`: its --arm-level-timeout, else --level-timeout."""
+    return dict(args.arm_level_timeout).get(arm, args.level_timeout)
+
+
+def _arm_timeout_arg(value: str) -> tuple[str, float]:
+    arm, sep, seconds = value.rpartition("=")
+    try:
+        timeout = float(seconds)
+    except ValueError:
+        timeout = float("nan")
+    if not sep or not arm or not timeout >= 5.0:
+        raise argparse.ArgumentTypeError(f"expected ARM=SECONDS with SECONDS >= 5, got {value!r}")
+    return _arm_arg(arm), timeout
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -261,6 +279,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=240.0, help="Seconds to wait for a server's /health.")
     parser.add_argument("--level-timeout", type=float, default=90.0, help="Most seconds per concurrency level.")
+    parser.add_argument("--arm-level-timeout", type=_arm_timeout_arg, action="append", default=[],
+                        metavar="ARM=SECONDS", help="Most seconds per level of one arm (repeatable; overrides "
+                                                    "--level-timeout for it).")
     parser.add_argument("--budget-s", type=float, default=420.0, help="Wall-time budget of the whole A/B.")
     parser.add_argument("--rounds", type=int, default=1,
                         help="Run every arm this many times, the arm order reversed every other round; the table "
@@ -291,6 +312,9 @@ def main() -> None:
                 benchmark_serving.parse_cpu_list(getattr(args, name))
             except ValueError as e:
                 parser.error(f"--{name.replace('_', '-')}: {e}")
+    for arm, _ in args.arm_level_timeout:
+        if arm not in args.arms:
+            parser.error(f"--arm-level-timeout: {arm!r} is not one of --arms.")
     if args.lead_arm is not None and args.lead_arm not in args.arms:
         parser.error(f"--lead-arm {args.lead_arm!r} is not one of --arms.")
     if len({arm_file_name(a) for a in args.arms}) != len(args.arms):

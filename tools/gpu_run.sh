@@ -114,11 +114,15 @@ for s in $stages; do
           --top-k 512 2>&1 | grep -v Warning | tail -1 | sed "s/^/mixed_graphs=$a: /" | tee -a "$OUT/flip_offline.txt"
       done ;;
     acceptance)  # the GPU issue's A/B: three arms, 64-1024 streams, two rounds (CAB CBA), medians (~8 min).
+      # Levels of 10 requests per stream, cut at 16 s (8 s for the pre-change arm, flat and CPU-bound): with 4 per
+      # stream the 256-stream level was over in ~6 s, much of it the first wave's prefills (docs/benchmarks.md,
+      # fifth session). LEVELS="..." overrides these three flags.
       # NOTE: the load generator shares the server's 16 CPUs (up to 8 client processes): it checks every mask
       # from its raw JSON (--mask-check count: validated, ids counted) rather than turning ~500 ids per token into
       # Python ints (parse, MASK_CHECK=parse): that parsing would run on the CPUs of the mask arm's server only.
       VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py --out-dir "$OUT/acceptance" \
-        --arms no-mask mask pre-change --rounds 2 --lead-arm pre-change --level-timeout 20 --num-prompts-per-concurrency 4 --budget-s 480 \
+        --arms no-mask mask pre-change --rounds 2 --lead-arm pre-change --budget-s 500 \
+        ${LEVELS:---num-prompts-per-concurrency 10 --level-timeout 16 --arm-level-timeout pre-change=8} \
         --mask-check ${MASK_CHECK:-count} \
         2>&1 | grep --line-buffered -v Warning | tee "$OUT/acceptance.txt" ;;
   esac

@@ -34,3 +34,27 @@ def test_round_order_reverses_and_keeps_a_lead_arm_first() -> None:
     # Each of the other arms follows the lead arm in one round and the other arm in the other.
     followers = {tuple(o[i:i + 2]) for o in led for i in range(2)}
     assert ("pre-change", "no-mask") in followers and ("pre-change", "mask") in followers
+
+
+def test_arm_level_timeout_overrides_the_level_timeout_of_one_arm() -> None:
+    import pytest
+
+    parser = ab.make_parser()
+    args = parser.parse_args(["--level-timeout", "16", "--arm-level-timeout", "pre-change=8",
+                              "--arm-level-timeout", "mask+VLLM_SAMPLING_MASK_TEXT=0=12.5"])
+    assert ab.arm_level_timeout(args, "pre-change") == 8.0
+    assert ab.arm_level_timeout(args, "mask+VLLM_SAMPLING_MASK_TEXT=0") == 12.5  # "=" inside the arm name
+    assert ab.arm_level_timeout(args, "mask") == 16.0 and ab.arm_level_timeout(args, "no-mask") == 16.0
+    for bad in ("pre-change", "pre-change=", "=8", "pre-change=soon", "pre-change=2", "masks=8"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--arm-level-timeout", bad])
+
+
+def test_arm_level_timeout_of_an_arm_not_run_is_refused(monkeypatch, capsys) -> None:  # noqa: ANN001
+    import pytest
+
+    monkeypatch.setattr(sys, "argv", ["ab_sampling_mask.py", "--arms", "no-mask", "mask",
+                                      "--arm-level-timeout", "pre-change=8", "--out-dir", "/nonexistent/ab"])
+    with pytest.raises(SystemExit):
+        ab.main()
+    assert "--arm-level-timeout: 'pre-change' is not one of --arms" in capsys.readouterr().err
