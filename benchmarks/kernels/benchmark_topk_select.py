@@ -7,8 +7,10 @@ Setting (benchmark_sampler.py's): V=151936, top_k=512 for every row, temperature
 rounded through bf16 (held as float32, or as bf16 with --dtype bfloat16), C = 640 (fast_path.num_candidates
 for max_top_k=512); num_reqs in {64, 256, 512, 1024}. References in the same table: torch.topk(k=513) and one
 read of the logits (`logits.amax(-1)`). "prefilter_1ovf" is the prefilter on the same logits but for row 0,
-whose first 2 * cap ids hold the row's largest values: its buffer overflows, so the radix kernel selects it
-(the cost of one overflow row).
+whose first 2 * cap ids hold the row's largest values: its buffer overflows and its row program selects it from
+its ~k listed chunks (the cost of one overflow row). "prefilter_1radix": row 0 also has 20.0 (above every other
+value, below the cluster) as the first id of every chunk, so all 4748 chunks are listed (> 2C) and the radix kernel
+selects it (the last resort's cost).
 
 Each entry is the mean time of one CUDA-graph replay over --iters replays (no launch overhead). Before timing,
 "topk", "prefilter" and "prefilter_v1" (both inputs) are checked to give the row kernel's outputs.
@@ -160,6 +162,8 @@ def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, iters: 
     timer = time_graph_ms if device.type == "cuda" else time_wall_ms
     clustered = logits.clone()
     clustered[0, :2 * cap] = 40.0 + clustered[0, :2 * cap]
+    tied = clustered.clone()
+    tied[0, 2 * cap::32] = 20.0
 
     def select(impl: str, x: torch.Tensor = logits) -> TopKCandidates:
         if impl == "prefilter_v1":
@@ -167,8 +171,8 @@ def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, iters: 
         return select_top_k_candidates(x, temperature, k, num_cand, use_triton=True, impl=impl,
                                        block_size=block_size, prefilter_cap=cap)
 
-    for impl, x in (("topk", logits), ("prefilter", logits), ("prefilter", clustered), ("prefilter_v1", logits),
-                    ("prefilter_v1", clustered)):
+    for impl, x in (("topk", logits), ("prefilter", logits), ("prefilter", clustered), ("prefilter", tied),
+                    ("prefilter_v1", logits), ("prefilter_v1", clustered)):
         if not same_outputs(select(impl, x), select("row", x)):
             raise SystemExit(f"{impl} differs from the row kernel at num_reqs={num_reqs}")
     return {
@@ -179,6 +183,7 @@ def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, iters: 
         "row_ms": timer(lambda: select("row"), iters),
         "prefilter_ms": timer(lambda: select("prefilter"), iters),
         "prefilter_1ovf_ms": timer(lambda: select("prefilter", clustered), iters),
+        "prefilter_1radix_ms": timer(lambda: select("prefilter", tied), iters),
         "prefilter_v1_ms": timer(lambda: select("prefilter_v1"), iters),
         "prefilter_v1_1ovf_ms": timer(lambda: select("prefilter_v1", clustered), iters),
     }

@@ -273,11 +273,11 @@ def test_prefilter_matches_reference(row_kernel_flags: list[list[int]]) -> None:
     assert row_kernel_flags and all(flags == [] for flags in row_kernel_flags)
 
 
-def test_prefilter_overflow_rows_take_the_radix_kernel(row_kernel_flags: list[list[int]]) -> None:
+def test_prefilter_overflow_rows_with_short_lists_skip_the_radix_kernel(row_kernel_flags: list[list[int]]) -> None:
     """Rows with more than cap values at or above the bound: the large values packed into a few consecutive
-    chunks (so the k-th chunk maximum lies far below kth), fewer chunks than k, a tie group past C that only the
-    radix kernel can tell from a held row, and cap + 1 values > -inf with k > NCH (while cap of them fit). They
-    get the reference's outputs, and only they go to the radix kernel."""
+    chunks (so the k-th chunk maximum lies far below kth), fewer chunks than k, a tie group past C, and cap + 1
+    values > -inf with k > NCH (while cap of them fit). Their chunk lists are short (NCH = 32 <= 2C), so the row
+    program selects them from their listed chunks: the reference's outputs, and none goes to the radix kernel."""
     logits = bf16_logits(8, 1000, 9)
     logits[0, 300:700] = 20.0 + torch.randn(400, generator=torch.Generator().manual_seed(1))
     logits[1, :] = logits[1].round()
@@ -291,7 +291,7 @@ def test_prefilter_overflow_rows_take_the_radix_kernel(row_kernel_flags: list[li
     assert overflow_rows(logits, temperature, top_k, 64, 32, 128) == [0, 1, 2, 5, 7]
     counts = check_prefilter(logits, temperature, top_k, 64, cap=128)
     assert counts[0] >= 30 and counts[2] == -1 and counts[3] >= 20 and min(counts[6:]) >= 40
-    assert row_kernel_flags == [[0, 1, 2, 5, 7]]
+    assert row_kernel_flags == [[]]
 
 
 def test_row_kernel_selects_only_flagged_rows() -> None:
@@ -315,7 +315,7 @@ def test_row_kernel_selects_only_flagged_rows() -> None:
 def test_prefilter_mixed_batch(row_kernel_flags: list[list[int]]) -> None:
     """Every kind of row in one batch, float32 and bf16: held rows (random, a tie merged by the division, k > NCH
     with few finite values), -1 rows (ties past C, NaN, +inf, all -inf, fewer finite values than k, k > C) and
-    overflow rows (a cluster, k > NCH), at chunk 16 and cap 256."""
+    overflow rows (a cluster, k > NCH; selected from their listed chunks), at chunk 16 and cap 256."""
     vocab_size, num_cand, chunk, cap = 2000, 128, 16, 256
     logits = bf16_logits(11, vocab_size, 21)
     logits[1] = consecutive_floats(1, vocab_size, 1.9, 3)[0]
@@ -337,7 +337,7 @@ def test_prefilter_mixed_batch(row_kernel_flags: list[list[int]]) -> None:
     bf16[1] = bf16_logits(1, vocab_size, 4)[0].to(torch.bfloat16)
     assert overflow_rows(bf16, temperature, top_k, num_cand, chunk, cap) == [8, 10]
     assert [c >= 0 for c in check_prefilter(bf16, temperature, top_k, num_cand, chunk, cap)] == [c >= 0 for c in want]
-    assert row_kernel_flags == [[8, 10], [8, 10]]
+    assert row_kernel_flags == [[], []]
 
 
 def expected_gather(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
@@ -399,9 +399,9 @@ def gather_case_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefilter_bound_and_gather_are_exact(dtype: torch.dtype) -> None:
     """The per-row kernel's bound is the k-th largest chunk maximum bit for bit, it lists exactly the chunks with a
-    maximum >= t0 and > -inf, its buffer holds exactly the z >= t0 (> -inf) in ascending id order (the first cap of
-    them where it overflows, with a count past cap), the overflow flag is set where the buffer cannot hold them, and
-    kth is the reference's on every row that is not bad and has k <= C (-inf with fewer than k values > -inf); with
+    maximum >= t0 and > -inf, its buffer holds exactly the z >= t0 (> -inf) in ascending id order (where it
+    overflows, num_above is past cap, the row is selected from its listed chunks and the buffer holds its z >= kth,
+    the first cap of them), no row goes to the radix kernel (NCH = 126 <= 2C), and kth is the reference's on every row that is not bad and has k <= C (-inf with fewer than k values > -inf); with
     a 32-id block every loop (the bound's 32 counting steps over 126 maxima, the chunk list, the gather, the select
     over the buffer) runs over several blocks."""
     logits, temperature, top_k = gather_case_rows()
@@ -417,11 +417,14 @@ def test_prefilter_bound_and_gather_are_exact(dtype: torch.dtype) -> None:
     assert 1000 not in gathered[5][2] and len(gathered[5][2]) >= 10 and want[5][0] == -1 and want[9][0] == -1
     assert gathered[2][2][-1] == 1000
     assert gathered[3][1] == 38 and gathered[9][1] == 2
-    assert scratch.row_flag.tolist() == [int(r in overflow) for r in range(10)]
+    assert scratch.refined.tolist() == [int(r in overflow) for r in range(10)] and scratch.row_flag.sum() == 0
     for r, (t0, num_listed, ids) in enumerate(gathered):
         assert float(scratch.t0[r]) == t0 and int(scratch.num_listed[r]) == num_listed, r
-        n = min(len(ids), cap)
         assert int(scratch.num_above[r]) == len(ids) if len(ids) <= cap else int(scratch.num_above[r]) > cap, r
+        if r in overflow:
+            z = logits[r].float() / temperature[r]
+            ids = (z >= want[r][1]).nonzero().flatten().tolist()
+        n = min(len(ids), cap)
         assert scratch.buf_ids[r, :n].tolist() == ids[:n], r
         z = logits[r].float() / temperature[r]
         assert torch.equal(scratch.buf_values[r, :n].cpu(), z[ids[:n]]), r
@@ -448,7 +451,7 @@ def test_prefilter_small_blocks_match_reference(row_kernel_flags: list[list[int]
     assert min(counts) >= 1
     counts = check_prefilter(logits.to(torch.bfloat16), temperature, top_k, num_cand, chunk, num_cand, block=16)
     assert min(counts) >= 1
-    assert row_kernel_flags == [[0], [0]]
+    assert row_kernel_flags == [[], []]
 
 
 def test_prefilter_argument_validation() -> None:
@@ -465,7 +468,9 @@ def test_prefilter_argument_validation() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefilter_full_vocabulary_on_gpu(dtype: torch.dtype, row_kernel_flags: list[list[int]]) -> None:
     """The compiled kernels at the real shape: random rows, a NaN, a tie group past C, k > C, one row whose top
-    values fill 8192 consecutive ids (its buffer overflows) and a row with all but 300 ids at -inf."""
+    values fill 8192 consecutive ids (its buffer overflows; selected from its listed chunks) and a row with all but
+    300 ids at -inf; then at C = 640 a cluster row (listed chunks) and a cluster row whose other chunks all have
+    the maximum 20.0 (4620 chunks listed > 2C: the radix kernel)."""
     vocab_size, num_reqs, num_cand = 151936, 48, 2600
     logits = bf16_logits(num_reqs, vocab_size, 5)
     logits[0, 5] = float("nan")
@@ -483,7 +488,17 @@ def test_prefilter_full_vocabulary_on_gpu(dtype: torch.dtype, row_kernel_flags: 
     check(got, want, check_kth=False)
     assert all(float(got.kth[r]) == w[1] for r, w in enumerate(want) if w[0] >= 0)
     counts = [w[0] for w in want]
-    assert counts[0] == counts[4] == -1 and min(counts[1:4]) >= 200 and row_kernel_flags == [[2]]
+    assert counts[0] == counts[4] == -1 and min(counts[1:4]) >= 200 and row_kernel_flags == [[]]
+    clustered = logits[5:8].clone()
+    clustered[:2, :4096] = 40.0 + clustered[:2, :4096]
+    clustered[1, 4096::32] = 20.0
+    top_k = torch.tensor([512, 512, 300], dtype=torch.int32)
+    temperature = torch.tensor([1.0, 0.7, 1.0])
+    assert overflow_rows(clustered, temperature, top_k, 640, 32, 2048) == [0, 1]
+    got = select_top_k_candidates(clustered.cuda(), temperature.cuda(), top_k.cuda(), 640, impl="prefilter")
+    want = reference(clustered, temperature, top_k, 640)
+    check(got, want)
+    assert min(w[0] for w in want) >= 300 and row_kernel_flags == [[], [1]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the switch picks the CUDA default)")
@@ -506,3 +521,69 @@ def test_select_impl_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_TOPK_SELECT_IMPL", "sort")
     with pytest.raises(ValueError, match="VLLM_TOPK_SELECT_IMPL"):
         select_top_k_candidates(logits, temperature, top_k, 640)
+
+
+def expected_paths(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int, chunk: int,
+                   cap: int) -> tuple[list[int], list[int]]:
+    """(the overflow rows selected from their listed chunks, those left to the radix kernel), written out: an
+    overflow row (`overflow_rows`) goes to the radix kernel when more than 2C chunks are listed."""
+    gathered = expected_gather(logits, temperature, top_k, num_cand, chunk)
+    overflow = overflow_rows(logits, temperature, top_k, num_cand, chunk, cap)
+    return ([r for r in overflow if gathered[r][1] <= 2 * num_cand],
+            [r for r in overflow if gathered[r][1] > 2 * num_cand])
+
+
+def listed_case_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V = 2047 (a last chunk of 3 ids at S = 4, NCH = 512), C = 64, cap = 128: clusters of 200 large values (50
+    chunks, fewer than k: t0 falls below them and the buffer overflows; distinct bf16 values) at the start, at the end (through the last
+    partial chunk) and in the middle (from id 901, inside a chunk); a cluster of adjacent float32 values that the
+    division merges; 100 ties at kth (C < count <= cap) and 200 (count > cap) before a cluster; a cluster with one
+    15.0 in every other chunk (t0 = 15.0, 512 chunks listed > 2C: the radix kernel) and a rounded row of ties with
+    over 128 chunks at its maximum (the radix kernel, -1); a plain row, a NaN row and a k > C row with clusters."""
+    vocab_size = 2047
+    logits = bf16_logits(11, vocab_size, 51)
+    gen = torch.Generator().manual_seed(52)
+    # NOTE: distinct bf16 values from 16.0 up (200 consecutive ones), so the clusters have no ties in either dtype.
+    base = torch.tensor([16.0], dtype=torch.bfloat16).view(torch.int16)
+    noise = torch.stack([(base + torch.randperm(200, generator=gen).to(torch.int16)).view(torch.bfloat16).float()
+                         for _ in range(11)]) - 30.0  # [11, 200]
+    logits[0, :200] = 30.0 + noise[0]
+    logits[1, vocab_size - 200:] = 30.0 + noise[1]
+    logits[2, 901:1101] = 30.0 + noise[2]
+    logits[3, 500:700] = consecutive_floats(1, 200, 30.0, 53)[0]
+    logits[4, 300:400] = 30.0
+    logits[4, 400:500] = noise[4, :100]
+    logits[5, 300:500] = 30.0
+    logits[6, :200] = 30.0 + noise[6]
+    logits[6, 200::4] = 15.0
+    logits[7] = logits[7].round().clamp(max=4.0)
+    logits[9, :200] = 30.0 + noise[9]
+    logits[9, 1500] = float("nan")
+    logits[10, :200] = 30.0 + noise[10]
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.5, 1.0, 1.0, 0.9, 1.0, 0.8, 1.0, 1.0])
+    top_k = torch.tensor([60, 55, 64, 57, 60, 60, 60, 10, 30, 60, 65], dtype=torch.int32)
+    return logits, temperature, top_k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefilter_overflow_rows_selected_from_listed_chunks(dtype: torch.dtype,
+                                                              row_kernel_flags: list[list[int]]) -> None:
+    """Overflow rows whose chunk list is short (<= 2C chunks) are selected in the row program from their listed
+    chunks, those with a longer list by the radix kernel, and every row equals the reference; 64-id blocks make the
+    bisection and the second gather run over several blocks."""
+    logits, temperature, top_k = listed_case_rows()
+    logits = logits.to(dtype)
+    num_cand, chunk, cap = 64, 4, 128
+    refined, radix = expected_paths(logits, temperature, top_k, num_cand, chunk, cap)
+    assert (refined, radix) == ([0, 1, 2, 3, 4, 5], [6, 7])
+    counts = check_prefilter(logits, temperature, top_k, num_cand, chunk, cap, block=64)
+    assert counts[:4] == [60, 55, 64, counts[3]] and counts[4:8] == [-1, -1, 60, -1] and counts[9:] == [-1, -1]
+    want = reference(logits, temperature, top_k, num_cand)
+    assert [int((logits[r].float() >= want[r][1]).sum()) for r in (4, 5)] == [100, 200]
+    if dtype == torch.float32:
+        z = logits[3, 500:700] / temperature[3]
+        assert len(set(z.tolist())) < 200 and counts[3] == 58
+    _, scratch = run_prefilter_scratch(logits, temperature, top_k, num_cand, chunk, cap, block=64)
+    assert scratch.refined.nonzero().flatten().tolist() == refined
+    assert scratch.row_flag.nonzero().flatten().tolist() == radix
+    assert row_kernel_flags == [radix, radix]

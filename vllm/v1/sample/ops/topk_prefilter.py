@@ -2,8 +2,8 @@
 logits and a re-read of ~k * S of its ids, without a host sync, atomics or a sort.
 
 Role: `prefilter_select` writes topk_select.py's outputs (k-th largest z = logits / temperature, the ids of every
-z >= it in ascending order, their z, the count) for every row except the overflow rows it flags in `row_flag`;
-topk_select.py runs the radix kernel on those.
+z >= it in ascending order, their z, the count) for every row except the overflow rows with a long chunk list,
+which it flags in `row_flag`; topk_select.py runs the radix kernel on those.
 - `_chunk_max_kernel`: the maximum z of every S = 32 consecutive ids ([num_reqs, NCH], NCH = cdiv(V, S)), many
   programs per row, each reading 4 blocks.
 - `_prefilter_select_kernel`, one program per row: t0 = the k-th largest of the row's maxima, exactly (32
@@ -11,11 +11,22 @@ topk_select.py runs the radix kernel on those.
   ones that can hold a z >= t0, are listed in id order (~k of them); their z >= t0 (and > -inf) are appended in
   id order to a [num_reqs, cap] buffer (cap = max(2048, 2C)), stopping once there are more than cap (overflow);
   kth = the k-th largest of the buffer (32 more counting steps), and the buffer's values >= kth, already in id
-  order, are the candidates.
+  order, are the candidates. An overflow row whose list has at most 2C chunks is selected from them instead:
+  kth = the k-th largest z of the listed chunks (re-read through the list; bisection on int32 keys between t0's
+  and the largest maximum's, one counting pass over the L * S listed ids a step, <= 32 steps), then the z >= kth
+  of the listed chunks are gathered again into the buffer (at most C of them unless the row is -1).
 For iid values t0 sits where P(chunk max >= t0) = k / NCH, i.e. P(z >= t0) = 1 - (1 - k/NCH)^(1/S): at
 V = 151936, k = 512 about 540 values are gathered (well under cap) from ~512 listed chunks (16k ids, 11% of the
-row). Values packed in consecutive ids (a cluster above the rest) push t0 down and can overflow; an overflow row
-costs one radix-kernel row (~2.9 ms on the H200, its time at 64 rows), so overflow must stay rare.
+row). Values packed in consecutive ids (a cluster above the rest) push t0 down and can overflow (real models'
+logits cluster more than iid values). An overflow row costs ~30 counting passes over its L * S listed ids (L ~ k:
+16k ids, 16 blocks, at k = 512) and one more gather: ~500 block steps in series, about 5x the ~90 of a plain row
+program, i.e. an estimated ~0.5-0.7 ms on the H200 at ~1-1.5 us a latency-bound block step (not measured yet);
+the rest of the batch runs beside it. A row sent to the radix kernel costs ~2.9 ms (the radix kernel's time at
+64 rows).
+The list limit, 2C chunks: L >= k always (k chunks have a maximum >= t0) and k <= C, so L > 2C needs more than C
+chunk maxima equal to t0 (over C equal values: a pathological row of ties); it caps an overflow row's counting
+passes at 2C * S ids (40960 at C = 640, ~27% of V = 151936: up to ~1280 block steps, ~1.5-2 ms, still under
+the radix kernel's 2.9 ms).
 Cost at [1024, 151936] bf16: the chunk maxima read 311 MB and write 19 MB; the row programs read the maxima
 (19 MB) and ~34 MB of listed ids: ~0.09 ms of traffic at ~4 TB/s. The row programs are latency-bound instead
 (~70 block reductions and ~17 gather blocks in series at V = 151936; 64 registers at 1024-value blocks and 4
@@ -27,6 +38,10 @@ Invariants (besides topk_select.py's on the outputs):
   than k values are > -inf, the buffer holds fewer than k and kth is -inf too). A row with k > NCH has no such
   bound: t0 = -inf (it gathers every z > -inf); a row with k > C is -1 whatever its kth (k values >= it):
   t0 = +inf. Overflow rows are those not bad (no NaN/+inf), with k <= C and more than cap values gathered.
+- The listed chunks hold every z >= t0, so the k-th largest of their z is the row's kth (t0 <= kth), and at least
+  k of their z have a key >= t0's (with k > NCH: all of them > -inf, more than cap >= k), which starts the
+  bisection. An overflow row is selected in the row program (`refined`) or flagged for the radix kernel
+  (`row_flag`), never both; its count is |{z >= kth}|, all in the listed chunks, gathered again (past cap: -1).
 - The buffer is in ascending id order (chunks listed in order, slots from a running exclusive cumsum), so the
   candidates are its values >= kth in slot order. kth is decoded from its key: a zero threshold is +0.0, as in
   the radix kernel.
@@ -45,6 +60,8 @@ import triton.language as tl
 from vllm.v1.sample.ops.float_keys import float_to_key, key_to_float
 
 _CHUNK_MAX_BLOCKS = 4
+# NOTE: the list limit, in chunks per candidate slot (module docstring).
+_MAX_LISTED_PER_CAND = 2
 
 
 @triton.jit
@@ -148,6 +165,49 @@ def _gather_listed_chunks(row_ptr, temperature, t0, sel_ptr, num_sel, buf_ids_pt
 
 
 @triton.jit
+def _listed_keys_at_least(row_ptr, temperature, sel_ptr, num_sel, vocab_size, key, BLOCK: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """[BLOCK] int32 partial counts of the z of the listed chunks (re-read from the logits, ids < V) whose key is
+    >= key; their sum is the count."""
+    partial = tl.zeros((BLOCK,), dtype=tl.int32)
+    end = num_sel * CHUNK
+    for start in range(0, end, BLOCK):
+        pos = start + tl.arange(0, BLOCK)  # [BLOCK] positions in the listed chunks' ids
+        listed = pos < end
+        chunk = tl.load(sel_ptr + pos // CHUNK, mask=listed, other=0)
+        offs = chunk * CHUNK + pos % CHUNK
+        valid = listed & (offs < vocab_size)
+        x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        keys = float_to_key(tl.math.div_rn(x, temperature))
+        partial += (valid & (keys >= key)).to(tl.int32)
+    return partial
+
+
+@triton.jit
+def _kth_largest_listed_key(row_ptr, temperature, chunk_max_ptr, sel_ptr, num_sel, vocab_size, k, low_key,
+                            BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """The key of the k-th largest z of the listed chunks (no NaN; at least k of them with a key >= low_key):
+    the largest key K in [low_key, the listed chunks' largest maximum] with at least k keys >= K, by bisection
+    (one counting pass over the listed chunks' ids a step, at most 32 steps). With num_sel = 0: low_key, no step."""
+    high = low_key.to(tl.int64)
+    for start in range(0, num_sel, BLOCK):
+        slots = start + tl.arange(0, BLOCK)
+        listed = slots < num_sel
+        chunk = tl.load(sel_ptr + slots, mask=listed, other=0)
+        m = tl.load(chunk_max_ptr + chunk, mask=listed, other=float("-inf"))
+        high = tl.maximum(high, tl.max(float_to_key(m), axis=0).to(tl.int64))
+    low = low_key.to(tl.int64)
+    # NOTE: int64 bounds: high - low can exceed the int32 range (keys of opposite signs).
+    while low < high:
+        mid = low + ((high - low + 1) >> 1)
+        num = tl.sum(_listed_keys_at_least(row_ptr, temperature, sel_ptr, num_sel, vocab_size, mid.to(tl.int32),
+                                           BLOCK, CHUNK), axis=0)
+        low = tl.where(num >= k, mid, low)
+        high = tl.where(num >= k, high, mid - 1)
+    return low.to(tl.int32)
+
+
+@triton.jit
 def _write_at_least(buf_ids_ptr, buf_values_ptr, num, kth, ids_ptr, values_ptr, BLOCK: tl.constexpr):
     """Copies the slots of buf[:num] whose value is >= kth, in slot order, to the front of ids and values."""
     base = tl.zeros((), dtype=tl.int32)
@@ -181,11 +241,13 @@ def _prefilter_select_kernel(
     t0_ptr,  # [num_reqs] float32: the bound
     num_listed_ptr,  # [num_reqs] int32: the chunks gathered from
     num_above_ptr,  # [num_reqs] int32: |{z >= t0, z > -inf}|, or a number > cap on overflow
+    refined_ptr,  # [num_reqs] int32: 1 for the overflow rows selected from their listed chunks
     row_flag_ptr,  # [num_reqs] int32: 1 for the rows the radix kernel must select
     vocab_size,
     num_chunks,
     num_cand,
     cap,
+    max_listed,
     BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
@@ -206,25 +268,43 @@ def _prefilter_select_kernel(
     # NOTE: the barriers make one thread's global stores (sel, then the buffer) visible to the others of the
     # program before they read them back.
     tl.debug_barrier()
-    num_above = _gather_listed_chunks(logits_ptr + row * logits_stride, tl.load(temperature_ptr + row), t0,
-                                      sel_row, num_sel, buf_ids_row, buf_values_row, vocab_size, cap, BLOCK, CHUNK)
+    row_ptr = logits_ptr + row * logits_stride
+    temperature = tl.load(temperature_ptr + row)
+    num_above = _gather_listed_chunks(row_ptr, temperature, t0, sel_row, num_sel, buf_ids_row, buf_values_row,
+                                      vocab_size, cap, BLOCK, CHUNK)
     tl.debug_barrier()
 
-    # NOTE: no select on an overflowed buffer: the radix kernel selects the row, or it is -1 anyway.
-    num_held = tl.where(num_above <= cap, num_above, 0)
-    kth = key_to_float(_kth_largest_key(buf_values_row, num_held, k, BLOCK))
-    # NOTE: fewer than k held values and no overflow means fewer than k values > -inf (t0 <= kth): kth = -inf.
-    kth = tl.where(num_held >= k, kth, float("-inf"))
-    count = tl.sum(_keys_at_least(buf_values_row, num_held, float_to_key(kth), BLOCK), axis=0)
     could_hold = (num_inf == 0) & (k <= num_cand)
     overflow = could_hold & (num_above > cap)
-    ok = could_hold & (num_above <= cap) & (count <= num_cand) & (kth > float("-inf"))
+    # NOTE: an overflow row with a short chunk list is selected from its listed chunks (they hold every z >= kth):
+    # kth by bisection over their z, then only the z >= kth gathered again. A longer list (ties at t0 among more
+    # than max_listed - k chunk maxima) goes to the radix kernel, which bounds the row program's time.
+    refine = overflow & (num_sel <= max_listed)
+    listed_kth = key_to_float(_kth_largest_listed_key(row_ptr, temperature, chunk_max_row, sel_row,
+                                                      tl.where(refine, num_sel, 0), vocab_size, k, float_to_key(t0),
+                                                      BLOCK, CHUNK))
+    num_gathered = _gather_listed_chunks(row_ptr, temperature, listed_kth, sel_row, tl.where(refine, num_sel, 0),
+                                         buf_ids_row, buf_values_row, vocab_size, cap, BLOCK, CHUNK)
+    num_gathered = tl.where(refine, num_gathered, num_above)
+    tl.debug_barrier()
+
+    # NOTE: no select on an overflowed buffer (the radix kernel selects the row, or it is -1 anyway), nor on a
+    # refined one (its kth is known and it holds exactly the z >= kth).
+    num_held = tl.where(num_gathered <= cap, num_gathered, 0)
+    kth = key_to_float(_kth_largest_key(buf_values_row, tl.where(refine, 0, num_held), k, BLOCK))
+    # NOTE: fewer than k held values and no overflow means fewer than k values > -inf (t0 <= kth): kth = -inf.
+    kth = tl.where(refine, listed_kth, tl.where(num_held >= k, kth, float("-inf")))
+    count = tl.sum(_keys_at_least(buf_values_row, tl.where(refine, 0, num_held), float_to_key(kth), BLOCK), axis=0)
+    count = tl.where(refine, num_gathered, count)
+    radix = overflow & ~refine
+    ok = could_hold & ~radix & (num_gathered <= cap) & (count <= num_cand) & (kth > float("-inf"))
     tl.store(kth_ptr + row, kth)
     tl.store(counts_ptr + row, tl.where(ok, count, -1))
     tl.store(t0_ptr + row, t0)
     tl.store(num_listed_ptr + row, num_sel)
     tl.store(num_above_ptr + row, num_above)
-    tl.store(row_flag_ptr + row, overflow.to(tl.int32))
+    tl.store(refined_ptr + row, refine.to(tl.int32))
+    tl.store(row_flag_ptr + row, radix.to(tl.int32))
     _write_at_least(buf_ids_row, buf_values_row, tl.where(ok, num_held, 0), kth, ids_ptr + row * cand_stride,
                     values_ptr + row * cand_stride, BLOCK)
 
@@ -241,7 +321,11 @@ class PrefilterScratch(NamedTuple):
     # [num_reqs, cap] int32 / float32: the gathered ids (ascending) and z in their first min(num_above, cap) slots.
     buf_ids: torch.Tensor
     buf_values: torch.Tensor
-    # [num_reqs] int32: 1 for the rows whose buffer overflowed (the radix kernel must select them).
+    # [num_reqs] int32: 1 for the overflow rows selected from their listed chunks (the buffer then holds the
+    # row's z >= kth, in its first min(count, cap) slots).
+    refined: torch.Tensor
+    # [num_reqs] int32: 1 for the overflow rows with more than max_listed chunks listed (the radix kernel must
+    # select them).
     row_flag: torch.Tensor
 
 
@@ -267,11 +351,13 @@ def prefilter_select(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
         num_above=torch.empty((num_reqs,), dtype=torch.int32, device=device),
         buf_ids=torch.empty((num_reqs, cap), dtype=torch.int32, device=device),
         buf_values=torch.empty((num_reqs, cap), dtype=torch.float32, device=device),
+        refined=torch.empty((num_reqs,), dtype=torch.int32, device=device),
         row_flag=torch.empty((num_reqs,), dtype=torch.int32, device=device))
     # NOTE: 4 warps: 64 registers a thread at 1024-value blocks (8 row programs an SM); 2048-value blocks or 8
     # warps hold fewer rows an SM, and the row program is latency-bound.
     _prefilter_select_kernel[(num_reqs,)](
         logits, logits.stride(0), temperature, top_k, chunk_max, sel, scratch.buf_ids, scratch.buf_values, ids,
-        values, ids.stride(0), counts, kth, scratch.t0, scratch.num_listed, scratch.num_above, scratch.row_flag,
-        vocab_size, num_chunks, num_cand, cap, BLOCK=block_size, CHUNK=chunk, num_warps=4)
+        values, ids.stride(0), counts, kth, scratch.t0, scratch.num_listed, scratch.num_above, scratch.refined,
+        scratch.row_flag, vocab_size, num_chunks, num_cand, cap, _MAX_LISTED_PER_CAND * num_cand, BLOCK=block_size,
+        CHUNK=chunk, num_warps=4)
     return scratch

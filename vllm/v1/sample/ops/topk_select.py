@@ -16,11 +16,13 @@ Three implementations (`impl`), with the same outputs bit for bit (and the same 
   key of the k-th largest value; a fourth pass writes every key >= it. Four reads of the row, but Triton's
   2048-bin `tl.histogram` makes it compute-bound: ~8.8 ms at 512 rows on the H200 (a version spread over
   many programs per row with atomics measured 7.6 ms, so the histograms, not the parallelism, are the cost).
-  Kept for reference and tests, and as "prefilter"'s path for the rows its buffer cannot hold (`row_flag`).
+  Kept for reference and tests, and as "prefilter"'s last resort for the overflow rows with over 2C chunks
+  listed (`row_flag`).
 - "prefilter" (`_select_prefilter`, topk_prefilter.py): the maximum z of every 32 consecutive ids bounds kth
   from below; one program per row gathers the few z above that bound, in id order, into a per-row buffer and
-  selects on it; the radix kernel takes the rows whose buffer overflows. One read of the logits and a re-read of
-  ~k * 32 ids per row, no host sync.
+  selects on it; a row whose buffer overflows is selected from its ~k listed chunks by bisection (the radix
+  kernel takes those with over 2C chunks listed). One read of the logits and a re-read of ~k * 32 ids per row,
+  no host sync.
 
 Invariants:
 - z is computed as an IEEE round-to-nearest division, so it is bitwise the `logits / temperature` of the
@@ -30,7 +32,7 @@ Invariants:
 - counts[r] == -1 marks a row the buffer cannot represent exactly (more than C values >= kth, or a NaN or
   +inf anywhere in z, or a threshold of -inf); its ids/values are not written. The caller runs the general
   full-vocabulary path for those rows.
-- "prefilter" rows are never -1 for lack of room in its buffer: the radix kernel selects the rows that overflow.
+- "prefilter" rows are never -1 for lack of room in its buffer: overflow rows are selected again exactly.
 """
 
 from __future__ import annotations
@@ -299,7 +301,7 @@ def _select_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 def _select_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, ids: torch.Tensor,
                       values: torch.Tensor, counts: torch.Tensor, kth: torch.Tensor, block_size: int, chunk: int,
                       cap: int) -> PrefilterScratch:
-    """The prefilter (topk_prefilter.py), then the radix kernel on the rows whose buffer overflowed."""
+    """The prefilter (topk_prefilter.py), then the radix kernel on the rows it flags (overflow, long chunk list)."""
     scratch = prefilter_select(logits, temperature, top_k, ids, values, counts, kth, block_size, chunk, cap)
     _run_row_kernel(logits, temperature, top_k, ids, values, counts, kth, block_size, row_flag=scratch.row_flag)
     return scratch
