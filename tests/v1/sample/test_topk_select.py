@@ -47,6 +47,22 @@ def bf16_logits(num_reqs: int, vocab_size: int, seed: int) -> torch.Tensor:
     return (torch.randn(num_reqs, vocab_size, generator=gen) * 3).to(torch.bfloat16).float()
 
 
+def tie_rows() -> torch.Tensor:
+    """[4, 2100]: rounded values (ties everywhere), 300 ties at the top, 500 ties at the top, and 600 +0.0 with
+    600 -0.0 above a negative rest; with top_k (40, 10, 10, 5) and C = 400, row 1's 300 ties fit, rows 2 and 3
+    tie past C."""
+    ties = bf16_logits(4, 2100, 1)
+    ties[0] = ties[0].round()
+    ties[1] = -5.0 - ties[1].abs()
+    ties[1, 3:2100:7] = 2.0
+    ties[2] = -5.0 - ties[2].abs()
+    ties[2, 100:1600:3] = 2.0
+    ties[3, :600] = 0.0
+    ties[3, 600:1200] = -0.0
+    ties[3, 1200:] = -1.0 - ties[3, 1200:].abs()
+    return ties
+
+
 def run_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int) -> TopKCandidates:
     return select_top_k_candidates(logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), num_cand,
                                    use_triton=True, impl="topk")
@@ -60,15 +76,7 @@ def test_topk_impl_matches_reference() -> None:
     top_k = torch.tensor([1, 50, 300, 17], dtype=torch.int32)
     check(run_topk(logits, temperature, top_k, 400), reference(logits, temperature, top_k, 400))
 
-    ties = bf16_logits(4, 2100, 1)
-    ties[0] = ties[0].round()
-    ties[1] = -5.0 - ties[1].abs()
-    ties[1, 3:2100:7] = 2.0
-    ties[2] = -5.0 - ties[2].abs()
-    ties[2, 100:1600:3] = 2.0
-    ties[3, :600] = 0.0
-    ties[3, 600:1200] = -0.0
-    ties[3, 1200:] = -1.0 - ties[3, 1200:].abs()
+    ties = tie_rows()
     ones = torch.ones(4)
     tie_k = torch.tensor([40, 10, 10, 5], dtype=torch.int32)
     for num_cand in (400, 1300):
@@ -241,15 +249,7 @@ def test_prefilter_matches_reference(row_kernel_flags: list[list[int]]) -> None:
     assert all(len(set((adjacent[r] / merge_t[r]).tolist())) < 3001 for r in range(3))
     assert check_prefilter(adjacent, merge_t, merge_k, 400, chunk=16) == [10, 102, 150]
 
-    ties = bf16_logits(4, 2100, 1)
-    ties[0] = ties[0].round()
-    ties[1] = -5.0 - ties[1].abs()
-    ties[1, 3:2100:7] = 2.0
-    ties[2] = -5.0 - ties[2].abs()
-    ties[2, 100:1600:3] = 2.0
-    ties[3, :600] = 0.0
-    ties[3, 600:1200] = -0.0
-    ties[3, 1200:] = -1.0 - ties[3, 1200:].abs()
+    ties = tie_rows()
     tie_k = torch.tensor([40, 10, 10, 5], dtype=torch.int32)
     assert check_prefilter(ties, torch.ones(4), tie_k, 400)[1:] == [300, -1, -1]
     check_prefilter(ties, torch.ones(4), tie_k, 1300)

@@ -34,7 +34,8 @@ from vllm.v1.sample.ops.logprobs import gather_logprobs
 from vllm.v1.sample.ops.mask_compaction import compact_candidates
 from vllm.v1.sample.ops.topk_select import select_top_k_candidates
 from vllm.v1.sample.ops.topk_topp import SAMPLING_EPS, process_logits, top_p_cut_value
-from vllm.v1.sample.sampling_mask import MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask_into
+from vllm.v1.sample.sampling_mask import (MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask_into,
+                                          merge_rows)
 
 _NEG_INF = float("-inf")
 MAX_FALLBACK_ROWS = 8
@@ -196,8 +197,7 @@ def _general_rows(logits: torch.Tensor, md: SamplingMetadata, logprobs_mode: str
         return None if t is None else t.to(device)[index]
 
     def merge(dst: torch.Tensor, src: torch.Tensor) -> None:
-        keep_new = hit.view(-1, *([1] * (src.dim() - 1)))
-        dst[index] = torch.where(keep_new, src.to(dst.dtype), dst[index])
+        merge_rows(dst, src, index, hit)
 
     temperature = pick(md.temperature)
     processed = process_logits(sub, temperature, pick(md.min_p), pick(md.top_k), pick(md.top_p), md.max_top_k)

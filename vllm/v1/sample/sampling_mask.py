@@ -143,8 +143,13 @@ def compact_sampling_mask_into(logits: torch.Tensor, mask_rows: torch.Tensor, ds
         return
     part = compact_sampling_mask(logits, mask_rows.to(device)[rows], num_kept)
     for out, new in ((dst.token_ids, part.token_ids), (dst.counts, part.counts), (dst.packed_mask, part.packed_mask)):
-        keep_new = hit.view(-1, *([1] * (new.dim() - 1)))
-        out[rows] = torch.where(keep_new, new.to(out.dtype), out[rows])
+        merge_rows(out, new, rows, hit)
+
+
+def merge_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, hit: torch.Tensor) -> None:
+    """dst[rows] = src (cast to dst's dtype) where `hit` ([n] bool), unchanged elsewhere; no host sync."""
+    keep_new = hit.view(-1, *([1] * (src.dim() - 1)))
+    dst[rows] = torch.where(keep_new, src.to(dst.dtype), dst[rows])
 
 
 def _compact_sampling_mask_torch(logits: torch.Tensor, num_sampled: torch.Tensor, token_ids: torch.Tensor,

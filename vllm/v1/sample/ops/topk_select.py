@@ -77,6 +77,13 @@ def _load_keys(row_ptr, offs, valid, temperature):
 
 
 @triton.jit
+def _load_z(row_ptr, offs, valid, temperature_ptr):
+    """z = logits / temperature (IEEE division) at `offs` of one row; -inf where not `valid`."""
+    x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    return tl.math.div_rn(x, tl.load(temperature_ptr))
+
+
+@triton.jit
 def _pick_bin(hist, k_rem, NUM_BINS: tl.constexpr):
     """Largest bin b with |{values in bins >= b}| >= k_rem -> (b, count above b, count in b)."""
     bins = tl.arange(0, NUM_BINS)
@@ -261,8 +268,7 @@ def _count_at_least_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     valid = offs < vocab_size
-    x = tl.load(logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    z = tl.math.div_rn(x, tl.load(temperature_ptr + row))
+    z = _load_z(logits_ptr + row * logits_stride, offs, valid, temperature_ptr + row)
     kept = valid & (z >= tl.load(kth_ptr + row))
     bad = valid & ((z != z) | (z == float("inf")))
     tl.atomic_add(count_ptr + row, tl.sum(kept.to(tl.int32), axis=0), sem="relaxed")
