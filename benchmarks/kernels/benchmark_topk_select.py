@@ -10,7 +10,8 @@ read of the logits (`logits.amax(-1)`). "prefilter_1ovf" is the prefilter on the
 whose first 2 * cap ids hold the row's largest values: its buffer overflows and its row program selects it from
 its ~k listed chunks (the cost of one overflow row). "prefilter_1radix": row 0 also has 20.0 (above every other
 value, below the cluster) as the first id of every chunk, so all 4748 chunks are listed (> 2C) and the radix kernel
-selects it (the last resort's cost).
+selects it (the last resort's cost). "prefilter_allovf": every row's first 2 * cap ids hold its largest values
+(every row overflows and is selected in its row program: the worst case short of ties).
 
 Each entry is the mean time of one CUDA-graph replay over --iters replays (no launch overhead). Before timing,
 "topk", "prefilter" and "prefilter_v1" (both inputs) are checked to give the row kernel's outputs.
@@ -164,6 +165,8 @@ def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, iters: 
     clustered[0, :2 * cap] = 40.0 + clustered[0, :2 * cap]
     tied = clustered.clone()
     tied[0, 2 * cap::32] = 20.0
+    all_clustered = logits.clone()
+    all_clustered[:, :2 * cap] = 40.0 + all_clustered[:, :2 * cap]
 
     def select(impl: str, x: torch.Tensor = logits) -> TopKCandidates:
         if impl == "prefilter_v1":
@@ -172,6 +175,7 @@ def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, iters: 
                                        block_size=block_size, prefilter_cap=cap)
 
     for impl, x in (("topk", logits), ("prefilter", logits), ("prefilter", clustered), ("prefilter", tied),
+                    ("prefilter", all_clustered),
                     ("prefilter_v1", logits), ("prefilter_v1", clustered)):
         if not same_outputs(select(impl, x), select("row", x)):
             raise SystemExit(f"{impl} differs from the row kernel at num_reqs={num_reqs}")
@@ -184,6 +188,7 @@ def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, iters: 
         "prefilter_ms": timer(lambda: select("prefilter"), iters),
         "prefilter_1ovf_ms": timer(lambda: select("prefilter", clustered), iters),
         "prefilter_1radix_ms": timer(lambda: select("prefilter", tied), iters),
+        "prefilter_allovf_ms": timer(lambda: select("prefilter", all_clustered), iters),
         "prefilter_v1_ms": timer(lambda: select("prefilter_v1"), iters),
         "prefilter_v1_1ovf_ms": timer(lambda: select("prefilter_v1", clustered), iters),
     }

@@ -6,10 +6,10 @@ a [num_reqs, C] buffer. The fast sampler (vllm/v1/sample/fast_path.py) does ever
 
 Three implementations (`impl`), with the same outputs bit for bit (and the same as the torch reference
 `_select_torch` used on CPU tensors):
-- "topk" (the default on CUDA): torch.topk over C columns of the logits gives the threshold, one counting read
-  of each row (`_count_at_least_kernel`, many programs per row) the exact count and the NaN/+inf check, and
-  the kept columns sorted by id are the candidates. On the H200 at 512 x 151936 it takes ~1.2 ms, ~15 reads of
-  the logits' worth of time, and almost all of it is torch.topk (docs/benchmarks.md).
+- "topk" (VLLM_TOPK_SELECT_IMPL=topk): torch.topk over C columns of the logits gives the threshold, one
+  counting read of each row (`_count_at_least_kernel`, many programs per row) the exact count and the NaN/+inf
+  check, and the kept columns sorted by id are the candidates. On the H200 at 512 x 151936 it takes ~1.2 ms,
+  ~15 reads of the logits' worth of time, and almost all of it is torch.topk (docs/benchmarks.md).
 - "row" (`_topk_select_kernel`): a radix select, one program per row: z is mapped to an int32 key whose signed
   order is the float order (-0.0 first turned into +0.0, NaN keys above +inf or below -inf); three histogram
   passes over 11, 11 and 10 key bits, each restricted to the prefix chosen by the previous one, give the exact
@@ -18,11 +18,12 @@ Three implementations (`impl`), with the same outputs bit for bit (and the same 
   many programs per row with atomics measured 7.6 ms, so the histograms, not the parallelism, are the cost).
   Kept for reference and tests, and as "prefilter"'s last resort for the overflow rows with over 2C chunks
   listed (`row_flag`).
-- "prefilter" (`_select_prefilter`, topk_prefilter.py): the maximum z of every 32 consecutive ids bounds kth
-  from below; one program per row gathers the few z above that bound, in id order, into a per-row buffer and
-  selects on it; a row whose buffer overflows is selected from its ~k listed chunks by bisection (the radix
-  kernel takes those with over 2C chunks listed). One read of the logits and a re-read of ~k * 32 ids per row,
-  no host sync.
+- "prefilter" (the default on CUDA; `_select_prefilter`, topk_prefilter.py): the maximum z of every 32
+  consecutive ids bounds kth from below; one program per row gathers the few z above that bound, in id order,
+  into a per-row buffer and selects on it; a row whose buffer overflows is selected from its ~k listed chunks
+  by bisection (the radix kernel takes those with over 2C chunks listed). One read of the logits and a re-read
+  of ~k * 32 ids per row, no host sync. On the H200 at 1024 x 151936 bf16: ~0.42 ms against ~1.48 for "topk";
+  one overflow row adds ~0.1 ms, a radix row ~3 ms (docs/benchmarks.md).
 
 Invariants:
 - z is computed as an IEEE round-to-nearest division, so it is bitwise the `logits / temperature` of the
@@ -50,7 +51,7 @@ from vllm.v1.sample.ops.float_keys import float_to_key
 from vllm.v1.sample.ops.topk_prefilter import PrefilterScratch, prefilter_select
 
 _BLOCK_SIZE = 1024
-DEFAULT_CUDA_IMPL = "topk"
+DEFAULT_CUDA_IMPL = "prefilter"
 _IMPLS = ("topk", "row", "prefilter")
 _COUNT_CHUNK = 4096
 _PREFILTER_CHUNK = 32
