@@ -1,12 +1,12 @@
 """How often a real checkpoint's logits would overflow the "prefilter" top-k select's buffer.
 
-The prefilter (vllm/v1/sample/ops/topk_select.py, `VLLM_TOPK_SELECT_IMPL=prefilter`) bounds each row's k-th
-largest z = logits / temperature from below by t0, the k-th largest maximum of its S-id chunks, and gathers every
-z >= t0 into a buffer of `cap` slots; a row with more than `cap` such values overflows and costs one row of the
-slow radix kernel (~3 ms on an H200). With iid logits ~540 values are gathered at k = 512 (cap 2048); logits
-whose high values sit in consecutive ids gather more. Before the prefilter can be the default, its overflow rate
-must be known on real models, which this project's machines do not have: this script measures it from a local
-Hugging Face checkpoint folder, on CPU or GPU.
+The prefilter (vllm/v1/sample/ops/topk_select.py, the CUDA default) bounds each row's k-th largest
+z = logits / temperature from below by t0, the k-th largest maximum of its S-id chunks, and gathers every
+z >= t0 into a buffer of `cap` slots; a row with more than `cap` such values overflows and is selected again
+from its listed chunks (+~0.1 ms on an H200; ~3 ms in the radix kernel when over 2C chunks are listed). With iid
+logits ~540 values are gathered at k = 512 (cap 2048); logits whose high values sit in consecutive ids gather
+more. How often that happens on real models, which this project's machines do not have, this script measures
+from a local Hugging Face checkpoint folder, on CPU or GPU.
 
 For every position of every text (teacher-forced: the model's next-token logits along the text), and each
 --top-k: the gathered count and whether it passes cap = max(2048, 2C), C = fast_path.num_candidates. The count
