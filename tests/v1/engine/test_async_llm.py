@@ -73,3 +73,57 @@ def test_closed_stream_aborts_and_keeps_nothing() -> None:
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_stream_closed_before_its_first_output_or_while_awaited_aborts_in_the_core() -> None:
+    """OutputStream.close() aborts its request in the core whether or not it was iterated, and while another task
+    waits inside it; a closed stream ends at once. A third request, read to its end, is not aborted."""
+    async def run() -> None:
+        config = EngineArgs(max_num_seqs=4, max_model_len=128).create_engine_config()
+        engine = AsyncLLM(config, log_stats=False)
+        sent_to_core: list[str] = []
+        abort_in_core = engine.engine_core.abort_requests_async
+
+        async def recording_abort(request_ids: list[str]) -> None:
+            sent_to_core.extend(request_ids)
+            await abort_in_core(request_ids)
+
+        engine.engine_core.abort_requests_async = recording_abort  # type: ignore[method-assign]
+        try:
+            params = SamplingParams(temperature=1.0, top_k=20, max_tokens=100, ignore_eos=True,
+                                    output_kind=RequestOutputKind.DELTA)
+            prompt = {"prompt_token_ids": [5, 17, 42, 9]}
+            unread = engine.stream_outputs("unread", await engine.add_request("unread", prompt, params))
+            awaited = engine.stream_outputs("awaited", await engine.add_request("awaited", prompt, params))
+            done = engine.stream_outputs("done", await engine.add_request(
+                "done", prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))
+
+            unread.close()
+            assert [o async for o in unread] == []
+
+            read: list[object] = []
+
+            async def read_all() -> None:
+                async for o in awaited:
+                    read.append(o)
+
+            reader = asyncio.create_task(read_all())
+            while not read:
+                await asyncio.sleep(0.001)
+            # The reader took an output and went back into the stream: it waits there (or takes the next one).
+            awaited.close()
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            assert not read[-1].finished
+
+            outputs = [o async for o in done]
+            assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+            done.close()
+            await asyncio.sleep(0.05)
+            assert sorted(sent_to_core) == ["awaited", "unread"]
+            for request_id in ("unread", "awaited", "done"):
+                assert request_id not in engine.output_processor.request_states
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())

@@ -33,7 +33,7 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
@@ -50,7 +50,7 @@ from vllm.profiling import maybe_cprofile
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import NotFoundError, encode_body, error_body, stream_errors
+from vllm.entrypoints.openai.serving_engine import NotFoundError, SSEStream, encode_body, error_body
 from vllm.entrypoints.openai.serving_generate import OpenAIServingGenerate
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.config import VllmConfig
@@ -110,11 +110,48 @@ async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
 
 
 
+class _SSEResponse(StreamingResponse):
+    """A streamed response that closes its SSEStream when it ends, however it ends: a client gone mid-stream
+    (the response's task is cancelled, perhaps while it waits on a send) or before the first event. That aborts
+    the requests behind it at once (see SSEStream)."""
+
+    def __init__(self, stream: SSEStream) -> None:
+        super().__init__(stream.body, media_type="text/event-stream")
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # NOTE: closing suspends nowhere (OutputStream.close is synchronous), so a cancelled scope cannot
+            # interrupt it.
+            await self.stream.aclose()
+
+
+class _APIKeyMiddleware:
+    """--api-key: a request to /v1 or /inference without `Authorization: Bearer <key>` gets a 401 (OPTIONS
+    excepted). A plain ASGI middleware: the app's own send and receive pass through untouched (Starlette's
+    BaseHTTPMiddleware would run each response in another task and relay every streamed event through a queue)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and scope["path"].startswith(_PROTECTED_PREFIXES)
+                and next((v for k, v in scope["headers"] if k == b"authorization"), None) != self.expected):
+            response = _error("Unauthorized: a valid API key is required.", 401, "AuthenticationError")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def _respond(result: Any) -> Response:
     if result is None:  # the client is gone (see _cancel_on_disconnect): nobody reads this
         return Response(status_code=499)
-    if isinstance(result, AsyncGenerator):
-        return StreamingResponse(stream_errors(result), media_type="text/event-stream")
+    if isinstance(result, SSEStream):
+        return _SSEResponse(result)
     if isinstance(result, dict):  # a response with the engine's mask texts spliced in (with_mask_texts)
         return Response(encode_body(result), media_type="application/json")
     return JSONResponse(result.model_dump())
@@ -131,12 +168,7 @@ def build_app(engine: AsyncLLM, api_key: str | None = None) -> FastAPI:
     app.state.generate = OpenAIServingGenerate(engine, names)
 
     if api_key:
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next: Any) -> Response:
-            if request.method != "OPTIONS" and request.url.path.startswith(_PROTECTED_PREFIXES):
-                if request.headers.get("Authorization") != f"Bearer {api_key}":
-                    return _error("Unauthorized: a valid API key is required.", 401, "AuthenticationError")
-            return await call_next(request)
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -16,8 +16,10 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComplet
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
                                               random_uuid)
-from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, mask_texts, sse, with_mask_texts
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
+                                                    with_mask_texts)
 from vllm.outputs import RequestOutput
+from vllm.v1.engine.async_llm import OutputStream
 
 
 def _message_text(content: Any) -> str:
@@ -64,7 +66,7 @@ class OpenAIServingChat(OpenAIServing):
         return list(ids)
 
     async def create_chat_completion(self, request: ChatCompletionRequest
-                                     ) -> ChatCompletionResponse | dict | AsyncGenerator[bytes, None]:
+                                     ) -> ChatCompletionResponse | dict | SSEStream:
         model = self.model_name(request.model)
         params = request.to_sampling_params()
         prompt_ids = self._prompt_token_ids(request)
@@ -72,7 +74,7 @@ class OpenAIServingChat(OpenAIServing):
         queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
         gen = self.engine.stream_outputs(request_id, queue)
         if request.stream:
-            return self._stream(request, model, request_id, gen)
+            return SSEStream(self._stream(request, model, request_id, gen), [gen])
         final: RequestOutput | None = None
         async for out in gen:
             final = out
@@ -96,7 +98,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_token_ids=list(prompt_ids) if request.return_token_ids else None), texts)
 
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
-                      gen: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[bytes, None]:
+                      gen: OutputStream) -> AsyncGenerator[bytes, None]:
         for index in range(request.n):
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[
                 ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))

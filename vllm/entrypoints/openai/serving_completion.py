@@ -9,6 +9,7 @@ usage counts each prompt once and every choice's completion tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -16,9 +17,9 @@ from typing import Any
 import msgspec
 
 from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
-from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, sse, with_mask_texts
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, SSEStream, sse, with_mask_texts
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.v1.engine.async_llm import PromptType
+from vllm.v1.engine.async_llm import OutputStream, PromptType
 
 
 def parse_prompts(prompt: Any) -> list[PromptType]:
@@ -39,26 +40,29 @@ def parse_prompts(prompt: Any) -> list[PromptType]:
     return prompts
 
 
-async def merge_streams(gens: list[AsyncGenerator[RequestOutput, None]]
-                        ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """Interleave several output streams, tagging each output with its stream's index."""
-    if len(gens) == 1:
-        async for out in gens[0]:
-            yield 0, out
+async def merge_streams(streams: list[OutputStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Interleave several output streams, tagging each output with its stream's index. However it ends (done,
+    closed, cancelled, an error), every stream is closed: those not finished are aborted."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
+    async def pump(i: int, stream: OutputStream) -> None:
         try:
-            async for out in gen:
+            async for out in stream:
                 queue.put_nowait((i, out))
             queue.put_nowait((i, None))
         except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
             queue.put_nowait((i, e))
 
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(streams)]
     try:
-        remaining = len(gens)
+        remaining = len(streams)
         while remaining:
             i, item = await queue.get()
             if item is None:
@@ -68,19 +72,20 @@ async def merge_streams(gens: list[AsyncGenerator[RequestOutput, None]]
             else:
                 yield i, item
     finally:
+        # NOTE: close() works while a pump still waits inside its stream (a cancelled task may not have run yet).
         for task in tasks:
             task.cancel()
-        for gen in gens:
-            await gen.aclose()
+        for stream in streams:
+            stream.close()
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def _start(self, request: CompletionRequest) -> tuple[str, list[str], list[AsyncGenerator]]:
+    async def _start(self, request: CompletionRequest) -> tuple[str, list[str], list[OutputStream]]:
         params = request.to_sampling_params()
         prompts = parse_prompts(request.prompt)
         base_id = f"cmpl-{random_uuid()}"
         request_ids: list[str] = []
-        gens: list[AsyncGenerator] = []
+        gens: list[OutputStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 req_id = f"{base_id}-{i}"
@@ -120,11 +125,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 "choices": choices, "usage": usage.model_dump() if usage is not None else None}
 
     async def create_completion(self, request: CompletionRequest
-                                ) -> CompletionResponse | dict | AsyncGenerator[bytes, None]:
+                                ) -> CompletionResponse | dict | SSEStream:
         model = self.model_name(request.model)
         base_id, request_ids, gens = await self._start(request)
         if request.stream:
-            return self._stream(request, model, base_id, gens)
+            return SSEStream(self._stream(request, model, base_id, gens), gens)
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge_streams(gens):
             finals[i] = out
@@ -148,26 +153,28 @@ class OpenAIServingCompletion(OpenAIServing):
         return with_mask_texts(CompletionResponse(id=base_id, model=model, choices=choices, usage=usage), texts)
 
     async def _stream(self, request: CompletionRequest, model: str, base_id: str,
-                      gens: list[AsyncGenerator]) -> AsyncGenerator[bytes, None]:
+                      gens: list[OutputStream]) -> AsyncGenerator[bytes, None]:
         num_choices = len(gens) * request.n
         created = int(time.time())
         offsets = [0] * num_choices
         usage = UsageInfo()
         prompt_counted = [False] * len(gens)
         started = [False] * num_choices
-        async for i, out in merge_streams(gens):
-            if not prompt_counted[i]:
-                prompt_counted[i] = True
-                usage.prompt_tokens += len(out.prompt_token_ids or [])
-            for c in out.outputs:
-                index = i * request.n + c.index
-                first = not started[index]
-                started[index] = True
-                prefix = (out.prompt or "") if first and request.echo else ""
-                choice = self._choice(request, index, out, c, offsets[index], prefix, first, raw_mask=True)
-                offsets[index] += len(choice["text"])
-                usage.completion_tokens += len(c.token_ids)
-                yield sse(self._chunk(base_id, created, model, [choice]))
+        outputs = merge_streams(gens)
+        async with contextlib.aclosing(outputs):
+            async for i, out in outputs:
+                if not prompt_counted[i]:
+                    prompt_counted[i] = True
+                    usage.prompt_tokens += len(out.prompt_token_ids or [])
+                for c in out.outputs:
+                    index = i * request.n + c.index
+                    first = not started[index]
+                    started[index] = True
+                    prefix = (out.prompt or "") if first and request.echo else ""
+                    choice = self._choice(request, index, out, c, offsets[index], prefix, first, raw_mask=True)
+                    offsets[index] += len(choice["text"])
+                    usage.completion_tokens += len(c.token_ids)
+                    yield sse(self._chunk(base_id, created, model, [choice]))
         if request.stream_options is not None and request.stream_options.include_usage:
             usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
             yield sse(self._chunk(base_id, created, model, [], usage))

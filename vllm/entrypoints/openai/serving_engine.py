@@ -6,6 +6,7 @@ ValueError -> 400, `NotFoundError` -> 404, EngineDeadError -> 500.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, Sequence
 
 import msgspec
@@ -13,7 +14,7 @@ from pydantic import BaseModel
 
 from vllm.outputs import CompletionOutput, Logprob
 from vllm.transformers_utils.tokenizer import Tokenizer
-from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.async_llm import AsyncLLM, OutputStream
 from vllm.v1.engine.core_client import EngineDeadError
 from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                               ChatCompletionLogProbsContent, ErrorInfo,
@@ -138,13 +139,37 @@ class OpenAIServing:
 
 
 async def stream_errors(gen: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
-    """Wrap an SSE generator: an error after the stream started becomes an error event, then [DONE]."""
-    try:
-        async for chunk in gen:
-            yield chunk
-    except ValueError as e:
-        yield sse(error_body(str(e), 400, "BadRequestError"))
-        yield SSE_DONE
-    except EngineDeadError as e:
-        yield sse(error_body(f"The engine died: {e}", 500, "InternalServerError"))
-        yield SSE_DONE
+    """Wrap an SSE generator: an error after the stream started becomes an error event, then [DONE]. Closing
+    the wrapper closes `gen`."""
+    async with contextlib.aclosing(gen):
+        try:
+            async for chunk in gen:
+                yield chunk
+        except ValueError as e:
+            yield sse(error_body(str(e), 400, "BadRequestError"))
+            yield SSE_DONE
+        except EngineDeadError as e:
+            yield sse(error_body(f"The engine died: {e}", 500, "InternalServerError"))
+            yield SSE_DONE
+
+
+class SSEStream:
+    """A streamed response, as a handler returns it: `body`, its SSE events (the handler's chunk generator
+    wrapped by stream_errors), and the engine's output streams the chunks are read from.
+
+    `aclose()` ends it however the response ended (done, client gone mid-stream, client gone before the first
+    event): it closes the body and every output stream, which aborts each request not finished. The server calls
+    it when the response ends; nothing is left to the garbage collector (see OutputStream)."""
+
+    __slots__ = ("body", "streams")
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], streams: Sequence[OutputStream]) -> None:
+        self.body = stream_errors(chunks)
+        self.streams = list(streams)
+
+    async def aclose(self) -> None:
+        try:
+            await self.body.aclose()
+        finally:
+            for stream in self.streams:
+                stream.close()

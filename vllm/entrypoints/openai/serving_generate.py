@@ -12,8 +12,10 @@ from collections.abc import AsyncGenerator
 
 from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
                                               GenerateStreamResponse, UsageInfo)
-from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, mask_texts, sse, with_mask_texts
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
+                                                    with_mask_texts)
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.v1.engine.async_llm import OutputStream
 
 
 class OpenAIServingGenerate(OpenAIServing):
@@ -26,7 +28,7 @@ class OpenAIServingGenerate(OpenAIServing):
             logprobs=self.chat_logprobs(c.token_ids, c.logprobs, num_logprobs) if c.logprobs is not None else None,
             sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None and with_mask else None)
 
-    async def generate(self, request: GenerateRequest) -> GenerateResponse | dict | AsyncGenerator[bytes, None]:
+    async def generate(self, request: GenerateRequest) -> GenerateResponse | dict | SSEStream:
         self.model_name(request.model)
         params = request.to_sampling_params()
         if not request.token_ids:
@@ -36,7 +38,7 @@ class OpenAIServingGenerate(OpenAIServing):
         gen = self.engine.stream_outputs(request.request_id, queue)
         num_logprobs = params.logprobs or 0
         if request.stream:
-            return self._stream(request, gen, num_logprobs)
+            return SSEStream(self._stream(request, gen, num_logprobs), [gen])
         final: RequestOutput | None = None
         async for out in gen:
             final = out
@@ -49,7 +51,7 @@ class OpenAIServingGenerate(OpenAIServing):
         choices = [self._choice(c, num_logprobs, with_mask=text is None) for c, text in zip(outputs, texts)]
         return with_mask_texts(GenerateResponse(request_id=request.request_id, choices=choices, usage=usage), texts)
 
-    async def _stream(self, request: GenerateRequest, gen: AsyncGenerator[RequestOutput, None],
+    async def _stream(self, request: GenerateRequest, gen: OutputStream,
                       num_logprobs: int) -> AsyncGenerator[bytes, None]:
         async for out in gen:
             yield sse(GenerateStreamResponse(request_id=request.request_id,

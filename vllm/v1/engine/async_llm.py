@@ -6,8 +6,9 @@ task reads EngineCoreOutputs from the client, runs the OutputProcessor (which fe
 core the requests a stop string ended here, and records metrics.
 
 Invariants:
-- A generator that is cancelled or closed early (client disconnect) aborts its request in the core, so its KV
-  blocks are freed; for n > 1 that is every child (one queue per user request, shared by its children).
+- An output stream (OutputStream) that is cancelled or closed early (client disconnect) aborts its request in
+  the core at once, so its KV blocks are freed; for n > 1 that is every child (one queue per user request,
+  shared by its children). Nothing waits for the garbage collector.
 - Once the core process dies, every waiting request gets `EngineDeadError` and new requests are refused;
   `errored` / `dead_error` tell the server.
 """
@@ -18,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
@@ -37,6 +38,60 @@ logger = logging.getLogger(__name__)
 _MAX_STEPS_PER_WAKE = 64
 
 PromptType = str | Mapping[str, Any]
+
+
+class _Aborter(Protocol):
+    def _abort_now(self, request_ids: list[str]) -> None: ...
+
+
+class OutputStream:
+    """One request's outputs, as an async iterator that ends after the finished one (or raises the request's
+    error). `close()` before that aborts the request in the core, whether or not iteration began and even while
+    another task awaits the next output; a cancellation while waiting for an output aborts it too.
+
+    Why not an async generator: a generator closed before its first step runs no cleanup, and one left suspended
+    by a cancelled consumer is only finalised when the garbage collector gets to it (a reference cycle through
+    the cancelled frames can keep it for as long as no full collection runs): its request would go on generating
+    for a client that has gone. The server closes its streams explicitly when a response ends."""
+
+    __slots__ = ("_engine", "request_id", "_queue", "_done")
+
+    def __init__(self, engine: _Aborter, request_id: str, queue: RequestOutputCollector) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._done = False  # finished, failed or closed: nothing more to yield, nothing to abort
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        queue = self._queue
+        try:
+            item = queue.get_nowait() if not queue.empty() else await queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            queue.close()
+            raise item
+        if item.finished:
+            self._done = True
+            queue.close()
+        return item
+
+    def close(self) -> None:
+        """Stop: abort the request if it has not finished, and drop what was not taken. Idempotent."""
+        if not self._done:
+            self._done = True
+            self._engine._abort_now([self.request_id])
+            self._queue.close()
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class AsyncLLM:
@@ -107,28 +162,20 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
         queue = await self.add_request(request_id, prompt, sampling_params)
-        async for output in self.stream_outputs(request_id, queue):
-            yield output
+        stream = self.stream_outputs(request_id, queue)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
 
-    async def stream_outputs(self, request_id: str, queue: RequestOutputCollector
-                             ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield a request's outputs until it finishes; closing or cancelling it early aborts the request.
+    def stream_outputs(self, request_id: str, queue: RequestOutputCollector) -> OutputStream:
+        """A request's outputs until it finishes (an async iterator); closing or cancelling it early aborts the
+        request.
 
         Streamed (DELTA) outputs that arrive faster than the caller takes them come merged (one output for
         several engine steps), see RequestOutputCollector."""
-        finished = False
-        try:
-            while not finished:
-                item = queue.get_nowait() if not queue.empty() else await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self._abort_now([request_id])
-            queue.close()
+        return OutputStream(self, request_id, queue)
 
     async def abort(self, request_id: str | list[str]) -> None:
         self._abort_now([request_id] if isinstance(request_id, str) else list(request_id))

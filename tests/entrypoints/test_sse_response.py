@@ -1,0 +1,146 @@
+"""The server's streamed response closes the engine streams behind it however it ends: each request not finished
+is aborted at once, with no help from the garbage collector. In process, on a hand-driven ASGI exchange (no
+engine: a recorder stands in for AsyncLLM's abort)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from vllm.entrypoints.openai.api_server import _SSEResponse
+from vllm.entrypoints.openai.serving_engine import SSEStream
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import OutputStream
+from vllm.v1.engine.output_processor import RequestOutputCollector
+
+# uvicorn's HTTP protocols declare ASGI spec 2.3: Starlette then watches receive() for the disconnect.
+SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "path": "/v1/x",
+         "headers": []}
+
+
+class AbortRecorder:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+
+
+def make_stream(engine: AbortRecorder, request_id: str) -> OutputStream:
+    return OutputStream(engine, request_id, RequestOutputCollector(RequestOutputKind.DELTA))
+
+
+def run_without_gc(coro: Any) -> None:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        asyncio.run(coro)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def output(request_id: str, token_id: int, finished: bool) -> RequestOutput:
+    return RequestOutput(request_id, None, [1, 2], None, [CompletionOutput(
+        0, "", [token_id], None, None, "length" if finished else None)], finished)
+
+
+def test_client_gone_before_the_first_event_aborts_every_request() -> None:
+    """The disconnect arrives while the response head is being sent: the chunk generator never starts (an async
+    generator closed before its first step runs no cleanup), yet both requests are aborted."""
+    engine = AbortRecorder()
+    streams = [make_stream(engine, "a"), make_stream(engine, "b")]
+    started = False
+
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        nonlocal started
+        started = True
+        async for _ in streams[0]:
+            yield b"data: x\n\n"
+
+    async def main() -> None:
+        head_sending = asyncio.Event()
+
+        async def send(message: dict[str, Any]) -> None:
+            head_sending.set()
+            await asyncio.Event().wait()  # the head never goes out
+
+        async def receive() -> dict[str, Any]:
+            await head_sending.wait()
+            return {"type": "http.disconnect"}
+
+        await asyncio.wait_for(_SSEResponse(SSEStream(chunks(), streams))(SCOPE, receive, send), timeout=10)
+
+    run_without_gc(main())
+    assert not started
+    assert sorted(engine.aborted) == ["a", "b"]
+    # A closed stream ends at once and aborts nothing twice.
+    streams[0].close()
+    assert sorted(engine.aborted) == ["a", "b"]
+
+
+def test_client_gone_while_an_event_is_being_sent_aborts_and_closes_the_chunks() -> None:
+    """The case a relaying middleware or a full socket buffer makes common: the response's task is cancelled while
+    it waits inside send(), so the chunk generator is suspended at its yield, not at the engine's queue."""
+    engine = AbortRecorder()
+    stream = make_stream(engine, "r")
+    closed: list[str] = []
+
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        try:
+            async for out in stream:
+                yield f"data: {out.outputs[0].token_ids}\n\n".encode()
+        finally:
+            closed.append("chunks")
+
+    async def main() -> None:
+        stream._queue.put_nowait(output("r", 7, finished=False))
+        sending = asyncio.Event()
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                assert message["body"] == b"data: [7]\n\n"
+                sending.set()
+                await asyncio.Event().wait()  # the peer stopped reading
+
+        async def receive() -> dict[str, Any]:
+            await sending.wait()
+            return {"type": "http.disconnect"}
+
+        await asyncio.wait_for(_SSEResponse(SSEStream(chunks(), [stream]))(SCOPE, receive, send), timeout=10)
+
+    run_without_gc(main())
+    assert engine.aborted == ["r"]
+    assert closed == ["chunks"]
+
+
+def test_finished_stream_is_not_aborted() -> None:
+    """A response that ran to its end (the finished output taken) aborts nothing when it closes its streams."""
+    engine = AbortRecorder()
+    stream = make_stream(engine, "done")
+
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        async for out in stream:
+            yield f"data: {out.outputs[0].token_ids}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    async def main() -> None:
+        stream._queue.put_nowait(output("done", 3, finished=False))
+        stream._queue.put_nowait(output("done", 4, finished=True))  # merged into one DELTA output
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()  # the client stays
+            return {"type": "http.disconnect"}
+
+        await asyncio.wait_for(_SSEResponse(SSEStream(chunks(), [stream]))(SCOPE, receive, send), timeout=10)
+        assert [m.get("body") for m in sent[1:]] == [b"data: [3, 4]\n\n", b"data: [DONE]\n\n", b""]
+
+    run_without_gc(main())
+    assert engine.aborted == []
