@@ -46,8 +46,8 @@ class _Aborter(Protocol):
 
 class OutputStream:
     """One request's outputs, as an async iterator that ends after the finished one (or raises the request's
-    error). `close()` before that aborts the request in the core, whether or not iteration began and even while
-    another task awaits the next output; a cancellation while waiting for an output aborts it too.
+    error). `close()` before that aborts the request in the core, whether or not iteration began; a task waiting
+    for the next output then ends its iteration. A cancellation while waiting for an output aborts it too.
 
     Why not an async generator: a generator closed before its first step runs no cleanup, and one left suspended
     by a cancelled consumer is only finalised when the garbage collector gets to it (a reference cycle through
@@ -74,6 +74,8 @@ class OutputStream:
         except BaseException:  # cancelled while waiting: the consumer is gone
             self.close()
             raise
+        if item is None or self._done:  # closed by another task while this one waited
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self._done = True
             queue.close()

@@ -58,7 +58,7 @@ class RequestOutputCollector:
     otherwise grows with the number of steps each chunk merges. An error drops such unbuilt steps.
     """
 
-    __slots__ = ("output_kind", "_output", "_error", "_ready", "_state", "_step_ids", "_finish")
+    __slots__ = ("output_kind", "_output", "_error", "_ready", "_state", "_step_ids", "_finish", "_closed")
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.output_kind = output_kind
@@ -69,6 +69,7 @@ class RequestOutputCollector:
         self._state: RequestState | None = None
         self._step_ids: list[int] = []
         self._finish: tuple[FinishReason | None, int | str | None] = (None, None)
+        self._closed = False
 
     def put_step(self, state: RequestState, token_ids: list[int], finish_reason: FinishReason | None,
                  stop_reason: int | str | None) -> None:
@@ -99,8 +100,11 @@ class RequestOutputCollector:
 
     def close(self) -> None:
         """The consumer is gone: drop what it did not take (a pending request state refers back to this
-        collector, a cycle only the cyclic GC would free, with the step frames its masks are views of)."""
+        collector, a cycle only the cyclic GC would free, with the step frames its masks are views of). A `get()`
+        waiting, or any later, returns None."""
         self._output, self._state, self._step_ids = None, None, []
+        self._closed = True
+        self._ready.set()
 
     def get_nowait(self) -> RequestOutput | BaseException:
         """The pending output (or, once none is pending, the error); raises asyncio.QueueEmpty if neither."""
@@ -119,8 +123,10 @@ class RequestOutputCollector:
             self._ready.clear()
         return output
 
-    async def get(self) -> RequestOutput | BaseException:
+    async def get(self) -> RequestOutput | BaseException | None:
         while self.empty():
+            if self._closed:
+                return None
             await self._ready.wait()
         return self.get_nowait()
 
