@@ -88,11 +88,11 @@ def start_server(extra_args: list[str], extra_env: dict[str, str] | None = None)
 
 
 def drop_stream(server: RemoteServer, body: dict[str, Any], num_chunks: int = 3,
-                while_open: Callable[[], None] | None = None) -> None:
-    """POST a streamed completion, read its first `num_chunks` events, run `while_open` (if any) with the
-    connection still open, then close it mid-stream."""
+                while_open: Callable[[], None] | None = None, path: str = "/v1/completions") -> None:
+    """POST a streamed request (a completion unless `path` says otherwise), read its first `num_chunks` events,
+    run `while_open` (if any) with the connection still open, then close it mid-stream."""
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        with http.stream("POST", path, json={**body, "stream": True}) as resp:
             assert resp.status_code == 200
             # NOTE: the line iterator is kept until here: a dropped one is closed, and with it the response.
             lines = resp.iter_lines()

@@ -243,6 +243,31 @@ def test_disconnected_stream_frees_kv_blocks(server: RemoteServer) -> None:
     assert re.search(r'vllm:request_success_total{finished_reason="abort"[^}]*} [1-9]', text)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/inference/v1/generate"])
+def test_disconnected_chat_and_generate_streams_are_aborted(server: RemoteServer, path: str) -> None:
+    """The chat and token-in/token-out streams end the same way: one abort, the blocks freed."""
+    before = _aborts(server)
+    params: dict[str, Any] = {"max_tokens": DISCONNECT_MAX_TOKENS, "ignore_eos": True, "top_k": 5}
+    if path == "/inference/v1/generate":
+        body: dict[str, Any] = {"token_ids": [1, 450, 1472, 582, 2901], "sampling_params": params}
+    else:
+        body = {**params, "model": server.model, "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    drop_stream(server, body, path=path,
+                while_open=lambda: _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v > 0))
+    _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v == 0)
+    _wait_for_metric(server, "vllm:num_requests_running", lambda v: v == 0)
+    deadline = time.monotonic() + 30
+    while _aborts(server) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _aborts(server) == before + 1
+
+
+def _aborts(server: RemoteServer) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(r'vllm:request_success_total{finished_reason="abort"[^}]*} ([0-9.e+]+)', text)
+    return float(match.group(1)) if match else 0.0
+
+
 def test_disconnected_non_streaming_request_is_aborted(server: RemoteServer) -> None:
     """A non-streaming client that closes its connection mid-generation gets its request aborted: KV blocks freed
     and one more abort counted."""
