@@ -63,9 +63,10 @@ def start_server(extra_args: list[str], extra_env: dict[str, str] | None = None)
     if not os.path.isfile(os.path.join(MODEL, "config.json")):
         pytest.skip(f"model folder {MODEL} is missing")
     port = free_port()
-    # NOTE: the API server runs with the cyclic garbage collector off, so that no test passes because a collection
-    # happened to run: a dropped stream, for one, must be aborted by the code path that sees the disconnect, not
-    # by a collector finalising its generators (the serving thresholds make such collections rare and late).
+    # NOTE: the API server runs with the cyclic garbage collector off (with --api-server-count > 1 only the parent
+    # does; its API-server children start fresh), so that no test passes because a collection happened to run: a
+    # dropped stream, for one, must be aborted by the code path that sees the disconnect, not by a collector
+    # finalising its objects (the serving thresholds make such collections rare and late).
     args = [sys.executable, "-c", NO_CYCLIC_GC_MAIN, "serve", MODEL, "--host", "127.0.0.1",
             "--port", str(port), "--device", "cpu", "--uvicorn-log-level", "warning", *extra_args]
     env = dict(os.environ)

@@ -9,7 +9,7 @@ import gc
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from vllm.entrypoints.openai.api_server import _SSEResponse
+from vllm.entrypoints.openai.api_server import _cancel_on_disconnect, _SSEResponse
 from vllm.entrypoints.openai.serving_engine import SSEStream
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
@@ -73,13 +73,15 @@ def test_client_gone_before_the_first_event_aborts_every_request() -> None:
             return {"type": "http.disconnect"}
 
         await asyncio.wait_for(_SSEResponse(SSEStream(chunks(), streams))(SCOPE, receive, send), timeout=10)
+        # NOTE: checked here, in the loop: asyncio.run's shutdown would finalise suspended generators anyway.
+        assert not started
+        assert sorted(engine.aborted) == ["a", "b"]
+        # A closed stream ends at once and aborts nothing twice.
+        assert [o async for o in streams[0]] == []
+        streams[0].close()
+        assert sorted(engine.aborted) == ["a", "b"]
 
     run_without_gc(main())
-    assert not started
-    assert sorted(engine.aborted) == ["a", "b"]
-    # A closed stream ends at once and aborts nothing twice.
-    streams[0].close()
-    assert sorted(engine.aborted) == ["a", "b"]
 
 
 def test_client_gone_while_an_event_is_being_sent_aborts_and_closes_the_chunks() -> None:
@@ -111,10 +113,11 @@ def test_client_gone_while_an_event_is_being_sent_aborts_and_closes_the_chunks()
             return {"type": "http.disconnect"}
 
         await asyncio.wait_for(_SSEResponse(SSEStream(chunks(), [stream]))(SCOPE, receive, send), timeout=10)
+        # NOTE: checked here, in the loop: asyncio.run's shutdown would finalise suspended generators anyway.
+        assert engine.aborted == ["r"]
+        assert closed == ["chunks"]
 
     run_without_gc(main())
-    assert engine.aborted == ["r"]
-    assert closed == ["chunks"]
 
 
 def test_finished_stream_is_not_aborted() -> None:
@@ -144,3 +147,69 @@ def test_finished_stream_is_not_aborted() -> None:
 
     run_without_gc(main())
     assert engine.aborted == []
+
+
+def test_stream_dropped_without_close_aborts_when_freed() -> None:
+    """A caller that leaves `async for` early and drops the stream unclosed still aborts its request (in the loop,
+    once the stream is freed), as a dropped async generator would; a finished stream dropped aborts nothing."""
+    engine = AbortRecorder()
+
+    async def main() -> None:
+        left = make_stream(engine, "left")
+        done = make_stream(engine, "done")
+        left._queue.put_nowait(output("left", 5, finished=False))
+        done._queue.put_nowait(output("done", 6, finished=True))
+        async for _ in left:
+            break
+        assert [o.finished async for o in done] == [True]
+        del left, done
+        await asyncio.sleep(0)
+        assert engine.aborted == ["left"]
+
+    run_without_gc(main())
+
+
+def test_handler_is_cancelled_with_the_request_task() -> None:
+    """The request's own task cancelled (the server shutting down) while a non-streamed handler waits for its
+    output: the handler is cancelled too, which aborts its request; a stream that a handler had already returned
+    is closed, since no response will."""
+    engine = AbortRecorder()
+
+    class Raw:  # the client never disconnects
+        async def receive(self) -> dict[str, Any]:
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+    async def main() -> None:
+        waiting = make_stream(engine, "waiting")
+        returned = make_stream(engine, "returned")
+
+        async def non_streamed() -> list[object]:
+            return [o async for o in waiting]
+
+        task = asyncio.create_task(_cancel_on_disconnect(Raw(), non_streamed()))  # type: ignore[arg-type]
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert engine.aborted == ["waiting"]
+
+        async def streamed() -> SSEStream:
+            return SSEStream(_never(), [returned])
+
+        task = asyncio.create_task(_cancel_on_disconnect(Raw(), streamed()))  # type: ignore[arg-type]
+        # One loop pass: the request task starts the handler and waits; another: the handler returns its stream,
+        # which wakes the request task, cancelled before it runs again.
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        assert engine.aborted == ["waiting", "returned"]
+
+    run_without_gc(main())
+
+
+async def _never() -> AsyncGenerator[bytes, None]:
+    await asyncio.Event().wait()
+    yield b""

@@ -80,7 +80,7 @@ def test_stream_closed_before_its_first_output_or_while_awaited_aborts_in_the_co
     waits inside it (whose iteration then ends); a closed stream ends at once. A third request, read to its end,
     is not aborted."""
     async def run() -> None:
-        config = EngineArgs(max_num_seqs=4, max_model_len=128).create_engine_config()
+        config = EngineArgs(max_num_seqs=4, max_model_len=2048).create_engine_config()
         engine = AsyncLLM(config, log_stats=False)
         sent_to_core: list[str] = []
         abort_in_core = engine.engine_core.abort_requests_async
@@ -91,7 +91,8 @@ def test_stream_closed_before_its_first_output_or_while_awaited_aborts_in_the_co
 
         engine.engine_core.abort_requests_async = recording_abort  # type: ignore[method-assign]
         try:
-            params = SamplingParams(temperature=1.0, top_k=20, max_tokens=100, ignore_eos=True,
+            # NOTE: far more tokens than the test takes time for, so that neither request finishes on its own.
+            params = SamplingParams(temperature=1.0, top_k=20, max_tokens=2000, ignore_eos=True,
                                     output_kind=RequestOutputKind.DELTA)
             prompt = {"prompt_token_ids": [5, 17, 42, 9]}
             unread = engine.stream_outputs("unread", await engine.add_request("unread", prompt, params))

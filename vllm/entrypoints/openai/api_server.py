@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -92,12 +93,18 @@ async def _wait_for_disconnect(raw: Request) -> None:
 
 async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
     """Await `handler`; if the client goes away first, cancel it, which aborts its requests in the engine (their
-    output generators abort when closed early) and frees their KV blocks. Streams return at once; a dropped
-    stream is handled by the streaming response itself."""
+    output streams abort when cancelled or closed) and frees their KV blocks. Streams return at once; a dropped
+    stream is handled by the streaming response itself (_SSEResponse)."""
     task = asyncio.ensure_future(handler)
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        # Cancelled ourselves (e.g. the server shutting down): the handler goes with us, and a stream it already
+        # returned, which no response will close, is closed here.
+        task.cancel()
+        task.add_done_callback(_close_unsent_stream)
+        raise
     finally:
         watcher.cancel()
     if not task.done():
@@ -108,6 +115,12 @@ async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
         return None
     return task.result()
 
+
+
+def _close_unsent_stream(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), SSEStream):
+        for stream in task.result().streams:
+            stream.close()
 
 
 class _SSEResponse(StreamingResponse):
@@ -135,12 +148,13 @@ class _APIKeyMiddleware:
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = f"Bearer {api_key}".encode()  # ASGI header values are bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if (scope["type"] == "http" and scope["method"] != "OPTIONS"
                 and scope["path"].startswith(_PROTECTED_PREFIXES)
-                and next((v for k, v in scope["headers"] if k == b"authorization"), None) != self.expected):
+                and not hmac.compare_digest(
+                    next((v for k, v in scope["headers"] if k == b"authorization"), b""), self.expected)):
             response = _error("Unauthorized: a valid API key is required.", 401, "AuthenticationError")
             await response(scope, receive, send)
             return

@@ -52,15 +52,20 @@ class OutputStream:
     Why not an async generator: a generator closed before its first step runs no cleanup, and one left suspended
     by a cancelled consumer is only finalised when the garbage collector gets to it (a reference cycle through
     the cancelled frames can keep it for as long as no full collection runs): its request would go on generating
-    for a client that has gone. The server closes its streams explicitly when a response ends."""
+    for a client that has gone. The server closes its streams explicitly when a response ends; a stream dropped
+    unclosed and unfinished (a caller's `break`) still aborts when it is freed, as a generator would."""
 
-    __slots__ = ("_engine", "request_id", "_queue", "_done")
+    __slots__ = ("_engine", "request_id", "_queue", "_done", "_loop")
 
     def __init__(self, engine: _Aborter, request_id: str, queue: RequestOutputCollector) -> None:
         self._engine = engine
         self.request_id = request_id
         self._queue = queue
         self._done = False  # finished, failed or closed: nothing more to yield, nothing to abort
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
 
     def __aiter__(self) -> OutputStream:
         return self
@@ -86,14 +91,25 @@ class OutputStream:
         return item
 
     def close(self) -> None:
-        """Stop: abort the request if it has not finished, and drop what was not taken. Idempotent."""
+        """Stop: abort the request if it has not finished, and drop what was not taken. Idempotent; never raises
+        (it runs in `finally` blocks, under a cancellation it must not replace)."""
         if not self._done:
             self._done = True
-            self._engine._abort_now([self.request_id])
+            try:
+                self._engine._abort_now([self.request_id])
+            except Exception:
+                logger.exception("Aborting request %s failed.", self.request_id)
+            # NOTE: after the abort, which may leave an output for the request here.
             self._queue.close()
 
     async def aclose(self) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        # NOTE: a safety net for callers that drop a stream without closing it; runs in the loop, where
+        # _abort_now may create its task.
+        if not self._done and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.close)
 
 
 class AsyncLLM:
