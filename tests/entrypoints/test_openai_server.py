@@ -231,44 +231,37 @@ def _wait_for_metric(server: RemoteServer, name: str, predicate: Any, timeout_s:
     raise AssertionError(f"{name} stayed at {value}")
 
 
-def test_disconnected_stream_frees_kv_blocks(server: RemoteServer) -> None:
-    before = _aborts(server)
-    body = {"prompt": "A long story:", "max_tokens": DISCONNECT_MAX_TOKENS, "ignore_eos": True, "top_k": 5}
-    drop_stream(server, body,
-                while_open=lambda: _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v > 0))
-    # The connection is closed mid-stream: the request must be aborted and its blocks freed.
-    _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v == 0)
-    _wait_for_metric(server, "vllm:num_requests_running", lambda v: v == 0)
-    assert metric(httpx.get(f"{server.url}/metrics").text, "vllm:kv_cache_usage_perc") == 0
-    deadline = time.monotonic() + 30
-    while _aborts(server) < before + 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _aborts(server) == before + 1
-
-
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/inference/v1/generate"])
-def test_disconnected_chat_and_generate_streams_are_aborted(server: RemoteServer, path: str) -> None:
-    """The chat and token-in/token-out streams end the same way: one abort, the blocks freed."""
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/inference/v1/generate"])
+def test_disconnected_stream_is_aborted_and_frees_kv_blocks(server: RemoteServer, path: str) -> None:
+    """A client that closes its stream mid-generation: the request is aborted (one abort counted) and its KV
+    blocks freed, on each streaming endpoint."""
     before = _aborts(server)
     params: dict[str, Any] = {"max_tokens": DISCONNECT_MAX_TOKENS, "ignore_eos": True, "top_k": 5}
     if path == "/inference/v1/generate":
         body: dict[str, Any] = {"token_ids": [1, 450, 1472, 582, 2901], "sampling_params": params}
-    else:
+    elif path == "/v1/chat/completions":
         body = {**params, "model": server.model, "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    else:
+        body = {**params, "prompt": "A long story:"}
     drop_stream(server, body, path=path,
                 while_open=lambda: _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v > 0))
-    _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v == 0)
-    _wait_for_metric(server, "vllm:num_requests_running", lambda v: v == 0)
-    deadline = time.monotonic() + 30
-    while _aborts(server) < before + 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _aborts(server) == before + 1
+    _check_one_abort_and_blocks_freed(server, before)
+    assert metric(httpx.get(f"{server.url}/metrics").text, "vllm:kv_cache_usage_perc") == 0
 
 
 def _aborts(server: RemoteServer) -> float:
     text = httpx.get(f"{server.url}/metrics").text
     match = re.search(r'vllm:request_success_total{finished_reason="abort"[^}]*} ([0-9.e+]+)', text)
     return float(match.group(1)) if match else 0.0
+
+
+def _check_one_abort_and_blocks_freed(server: RemoteServer, aborts_before: float) -> None:
+    _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v == 0)
+    _wait_for_metric(server, "vllm:num_requests_running", lambda v: v == 0)
+    deadline = time.monotonic() + 30
+    while _aborts(server) < aborts_before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _aborts(server) == aborts_before + 1
 
 
 def test_disconnected_non_streaming_request_is_aborted(server: RemoteServer) -> None:
@@ -284,12 +277,7 @@ def test_disconnected_non_streaming_request_is_aborted(server: RemoteServer) -> 
         sock.sendall(head + body)
         assert _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v > 0) > 0
     # The socket is closed while the engine is still generating (no response was read).
-    _wait_for_metric(server, "vllm:kv_cache_used_blocks", lambda v: v == 0)
-    _wait_for_metric(server, "vllm:num_requests_running", lambda v: v == 0)
-    deadline = time.monotonic() + 30
-    while _aborts(server) < before + 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _aborts(server) == before + 1
+    _check_one_abort_and_blocks_freed(server, before)
 
 
 def test_killing_engine_core_exits_server_nonzero(server: RemoteServer) -> None:
