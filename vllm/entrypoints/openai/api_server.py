@@ -119,8 +119,7 @@ async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
 
 def _close_unsent_stream(task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is None and isinstance(task.result(), SSEStream):
-        for stream in task.result().streams:
-            stream.close()
+        task.result().close_streams()
 
 
 class _SSEResponse(StreamingResponse):

@@ -9,7 +9,6 @@ usage counts each prompt once and every choice's completion tokens.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -160,21 +159,19 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = UsageInfo()
         prompt_counted = [False] * len(gens)
         started = [False] * num_choices
-        outputs = merge_streams(gens)
-        async with contextlib.aclosing(outputs):
-            async for i, out in outputs:
-                if not prompt_counted[i]:
-                    prompt_counted[i] = True
-                    usage.prompt_tokens += len(out.prompt_token_ids or [])
-                for c in out.outputs:
-                    index = i * request.n + c.index
-                    first = not started[index]
-                    started[index] = True
-                    prefix = (out.prompt or "") if first and request.echo else ""
-                    choice = self._choice(request, index, out, c, offsets[index], prefix, first, raw_mask=True)
-                    offsets[index] += len(choice["text"])
-                    usage.completion_tokens += len(c.token_ids)
-                    yield sse(self._chunk(base_id, created, model, [choice]))
+        async for i, out in merge_streams(gens):
+            if not prompt_counted[i]:
+                prompt_counted[i] = True
+                usage.prompt_tokens += len(out.prompt_token_ids or [])
+            for c in out.outputs:
+                index = i * request.n + c.index
+                first = not started[index]
+                started[index] = True
+                prefix = (out.prompt or "") if first and request.echo else ""
+                choice = self._choice(request, index, out, c, offsets[index], prefix, first, raw_mask=True)
+                offsets[index] += len(choice["text"])
+                usage.completion_tokens += len(c.token_ids)
+                yield sse(self._chunk(base_id, created, model, [choice]))
         if request.stream_options is not None and request.stream_options.include_usage:
             usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
             yield sse(self._chunk(base_id, created, model, [], usage))

@@ -165,11 +165,15 @@ class SSEStream:
 
     def __init__(self, chunks: AsyncGenerator[bytes, None], streams: Sequence[OutputStream]) -> None:
         self.body = stream_errors(chunks)
-        self.streams = list(streams)
+        self.streams = streams
 
     async def aclose(self) -> None:
         try:
             await self.body.aclose()
         finally:
-            for stream in self.streams:
-                stream.close()
+            self.close_streams()
+
+    def close_streams(self) -> None:
+        """Close the output streams only (a body never started needs no closing)."""
+        for stream in self.streams:
+            stream.close()
