@@ -43,6 +43,9 @@ _VARS = {
     # Serving: format the sampling masks' JSON text on the device and splice it into streamed chunks
     # (vllm/v1/sample/ops/mask_json.py); 0 makes the API server format the ids itself (docs/benchmarks.md).
     "VLLM_SAMPLING_MASK_TEXT": lambda: _bool("VLLM_SAMPLING_MASK_TEXT", True),
+    # Performance work only: with that text on, also copy the masks' ids to the host every step (1; the API servers
+    # never receive them) instead of the text and the counts alone (0) (vllm/v1/worker/async_output.py).
+    "VLLM_SAMPLING_MASK_COPY_IDS": lambda: _bool("VLLM_SAMPLING_MASK_COPY_IDS", True),
     # Performance work only: cProfile the API server and engine-core processes into this folder (vllm/profiling.py).
     "VLLM_CPROFILE_DIR": lambda: _str("VLLM_CPROFILE_DIR"),
     # Performance work only: the engine-core process logs where its time goes per step every 5 s

@@ -1,5 +1,6 @@
 """`vllm serve --return-sampling-mask` with VLLM_SAMPLING_MASK_TEXT=1 (the default: masks formatted as JSON text by
-the engine and spliced into streamed chunks) and =0 (the API server formats the ids): the streamed masks equal
+the engine and spliced into streamed chunks; with VLLM_SAMPLING_MASK_COPY_IDS=1 and =0, the ids copied to the
+engine core's host memory too or not) and =0 (the API server formats the ids): the streamed masks equal
 those of the same seeded request without streaming (built from the id arrays), and every token is inside its
 mask; the same for streamed chat completions."""
 
@@ -13,15 +14,22 @@ import pytest
 from tests.entrypoints.conftest import RemoteServer, start_server, stop_server
 
 
-# The non-streamed completion of each server mode: the text mode's (masks sent and spliced as the engine's text)
+# The non-streamed completion of each server mode: the text modes' (masks sent and spliced as the engine's text)
 # must equal the ids mode's (masks from the id arrays, formatted by pydantic) for the same seeded request.
 _FULL: dict[str, dict] = {}
 
 
-@pytest.fixture(scope="module", params=["1", "0"], ids=["text", "ids"])
+# Server modes: the engine's text with its ids copied to the host too, the text alone (the ids stay on the device),
+# the ids alone (VLLM_SAMPLING_MASK_TEXT=0).
+_MODES = {"text": {"VLLM_SAMPLING_MASK_TEXT": "1", "VLLM_SAMPLING_MASK_COPY_IDS": "1"},
+          "text_only": {"VLLM_SAMPLING_MASK_TEXT": "1", "VLLM_SAMPLING_MASK_COPY_IDS": "0"},
+          "ids": {"VLLM_SAMPLING_MASK_TEXT": "0"}}
+
+
+@pytest.fixture(scope="module", params=list(_MODES))
 def text_server(request: pytest.FixtureRequest) -> Iterator[RemoteServer]:
     srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
-                        "--max-num-seqs", "8", "--seed", "0"], {"VLLM_SAMPLING_MASK_TEXT": request.param})
+                        "--max-num-seqs", "8", "--seed", "0"], _MODES[request.param])
     srv.mode = request.param  # type: ignore[attr-defined]
     yield srv
     stop_server(srv)
@@ -33,9 +41,8 @@ def test_streamed_text_masks_equal_the_id_masks(text_server: RemoteServer) -> No
             "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
     full = httpx.post(url, json=body, timeout=120).json()["choices"][0]
     _FULL[text_server.mode] = full  # type: ignore[attr-defined]
-    if len(_FULL) == 2:  # the second mode's run: both modes' whole responses agree
-        assert _FULL["1"]["token_ids"] == _FULL["0"]["token_ids"]
-        assert _FULL["1"]["sampling_mask"] == _FULL["0"]["sampling_mask"]
+    first = next(iter(_FULL.values()))  # every later mode's whole response agrees with the first mode's
+    assert full["token_ids"] == first["token_ids"] and full["sampling_mask"] == first["sampling_mask"]
     resp = httpx.post(url, json={**body, "stream": True}, timeout=120)
     assert resp.status_code == 200
     token_ids: list[int] = []

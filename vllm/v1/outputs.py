@@ -60,10 +60,13 @@ class SamplingMaskLists(NamedTuple):
     """The step's supports as a CSR over positions: position p owns token_ids[offsets[p]:offsets[p+1]].
 
     `offsets=None` means the whole `token_ids` is one position (what `slice_request` returns by default).
+    `token_ids=None` (the engine core of an API server, whose masks leave as JSON text, SamplingMaskText): the
+    ids stayed on the device; the offsets still give each position's support size. Such lists never leave the
+    engine core (StepMasks).
     """
 
-    # [total_support] int32, ascending within each position.
-    token_ids: np.ndarray
+    # [total_support] int32, ascending within each position; None: sizes only (above).
+    token_ids: np.ndarray | None
     # [num_positions + 1] int64, or None for a single position.
     offsets: np.ndarray | None
     cu_num_generated_tokens: list[int] | None = None
@@ -189,7 +192,7 @@ class StepMasks(NamedTuple):
         main thread ~1.5 ms per 1024-row step instead)."""
         data, offsets = (self.texts.text, self.texts.offsets) if text and self.texts is not None else \
             (self.masks.token_ids, self.masks.offsets)
-        assert offsets is not None
+        assert offsets is not None and data is not None, "these masks carry no ids (SamplingMaskLists)"
         pos = _step_positions(self.first_pos, self.num_pos)
         if text and self.texts is not None:
             pos = self.texts.packed_rows(pos)
@@ -202,11 +205,14 @@ class StepMasks(NamedTuple):
     select = StepLogprobs.select
 
     def materialize(self, outputs: list) -> None:
-        """Give each output its own slice (new_sampling_mask / new_sampling_mask_text), as the scheduler did."""
+        """Give each output its own slice (new_sampling_mask / new_sampling_mask_text), as the scheduler did; with
+        ids-free lists (token_ids None) the text only, as the wire carries it."""
         masks, texts = self.masks, self.texts
+        assert masks.token_ids is not None or texts is not None, "masks with neither ids nor text"
         for out, first, num in zip(self.out_index.tolist(), self.first_pos.tolist(), self.num_pos.tolist()):
-            outputs[out].new_sampling_mask = SamplingMaskLists(*_slice_csr(masks.token_ids, masks.offsets, None,
-                                                                           first, num))
+            if masks.token_ids is not None:
+                outputs[out].new_sampling_mask = SamplingMaskLists(*_slice_csr(masks.token_ids, masks.offsets, None,
+                                                                               first, num))
             if texts is not None:
                 outputs[out].new_sampling_mask_text = SamplingMaskText(*_slice_csr(
                     texts.text, texts.offsets, None, int(texts.packed_rows(first)), num))

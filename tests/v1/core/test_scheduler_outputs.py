@@ -11,7 +11,7 @@ import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreOutputs, FinishReason
-from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText
 from vllm.v1.request import Request
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -85,6 +85,38 @@ def test_three_requests_each_receive_their_own_mask_row(make_scheduler: Callable
     assert stats.sampling_mask_sizes == [2, 4, 3]  # a, b, c in scheduling order
     assert stats.num_sampling_mask_overflow_rows == 1
     assert stats.num_running_reqs == 5 and stats.num_waiting_reqs == 0
+
+
+def test_text_only_masks_give_texts_and_sizes(make_scheduler: Callable[..., Scheduler],
+                                             request_factory: Callable[..., Request]) -> None:
+    """An API server's engine without the ids copied (VLLM_SAMPLING_MASK_COPY_IDS=0): the runner's lists carry
+    the sizes only (token_ids None) beside the texts; each request gets its own text row and no ids, in process
+    and over the wire alike, and the stats count the sizes."""
+    sched = make_scheduler()
+    for rid in "ab":
+        sched.add_request(request_factory(rid, 4, top_k=2))
+    sched.add_request(request_factory("c", 4, top_k=2, return_sampling_mask=False))
+    out = sched.schedule()
+    req_ids = ["b", "c", "a"]
+    rows = {"b": [3, 8, 9], "c": [4], "a": [5]}  # b: a top-k tie, 3 > 2
+    texts = [("[" + ",".join(map(str, rows[r])) + "]").encode() for r in req_ids]
+    text_offsets = np.cumsum([0] + [len(t) for t in texts]).astype(np.int64)
+    runner_output = ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[rows[r][0]] for r in req_ids],
+        sampling_masks=SamplingMaskLists(None, np.cumsum([0] + [len(rows[r]) for r in req_ids]).astype(np.int64)),
+        sampling_mask_text=SamplingMaskText(np.frombuffer(b"".join(texts), dtype=np.uint8), text_offsets))
+    outs = sched.update_from_output(out, runner_output)
+    assert outs.scheduler_stats.sampling_mask_sizes == [1, 3]  # a, b in scheduling order
+    assert outs.scheduler_stats.num_sampling_mask_overflow_rows == 1
+    wire = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outs))
+    outs.materialize_step_rows()
+    for got in (outs, wire):
+        by_id = {o.request_id: o for o in got.outputs}
+        for rid in "ab":
+            assert by_id[rid].new_sampling_mask is None
+            assert bytes(by_id[rid].new_sampling_mask_text.text) == texts[req_ids.index(rid)]
+        assert by_id["c"].new_sampling_mask is None and by_id["c"].new_sampling_mask_text is None
 
 
 def test_multi_token_step_slices_positions_and_cuts_at_stop(make_scheduler: Callable[..., Scheduler],

@@ -39,9 +39,11 @@ def test_no_rows_and_no_columns() -> None:
     assert text[0, :2].tolist() == list(b"[]") and lengths.tolist() == [2, -1]
 
 
-def test_copy_text_lists_match_the_lists_including_overflow_rows() -> None:
+@pytest.mark.parametrize("with_ids", [True, False], ids=["ids", "text_only"])
+def test_copy_text_lists_match_the_lists_including_overflow_rows(with_ids: bool) -> None:
     """SamplingMaskCopy.text_lists (device text packed back to back, overflow rows formatted on the host) gives,
-    row by row, json.dumps of the same row of tolists()."""
+    row by row, json.dumps of the same row of tolists() (the copy with the ids); a copy without the ids gives the
+    same texts (overflow rows formatted from their bitmask rows) and lists of the same offsets with no ids."""
     from vllm.v1.sample.sampling_mask import SamplingMaskTensors
 
     rng = np.random.default_rng(1)
@@ -52,15 +54,21 @@ def test_copy_text_lists_match_the_lists_including_overflow_rows() -> None:
     num_sampled = torch.ones(num_reqs, dtype=torch.int32)
     num_sampled[5] = 0  # sampled nothing: an empty row
     mask = SamplingMaskTensors.from_logits(torch.from_numpy(logits).to(DEVICE), num_sampled.to(DEVICE), 16)
-    copy = mask.to_cpu_nonblocking(with_text=True)
-    lists = copy.tolists()
-    text = copy.text_lists(lists)
+    lists = mask.to_cpu_nonblocking().tolists()
+    copy = mask.to_cpu_nonblocking(with_text=True, with_ids=with_ids)
+    got = copy.tolists()
+    assert got.offsets.tolist() == lists.offsets.tolist()
+    assert (got.token_ids is None) is not with_ids
+    text = copy.text_lists(got)
     assert text is not None and len(text.offsets) == num_reqs + 1
     rows = text.rows()
     for r in range(num_reqs):
         ids = lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]].tolist()
+        assert len(ids) == [0, 3, 16, 17, 200, 0][r]
         assert rows[r].tobytes() == json.dumps(ids, separators=(",", ":")).encode(), r
     assert mask.to_cpu_nonblocking().text_lists(lists) is None
+    with pytest.raises(ValueError, match="with_ids=False"):
+        mask.to_cpu_nonblocking(with_ids=False)
 
 
 def test_kernels_match_the_torch_formatter() -> None:
@@ -169,10 +177,12 @@ def test_grouped_packing_puts_each_group_together(monkeypatch: pytest.MonkeyPatc
     assert torch_packed[:len(want)].numpy().tobytes() == want
 
 
-def test_copy_text_lists_with_groups() -> None:
+@pytest.mark.parametrize("with_ids", [True, False], ids=["ids", "text_only"])
+def test_copy_text_lists_with_groups(with_ids: bool) -> None:
     """SamplingMaskCopy.text_lists of a grouped text: rows() are still in row order (== json.dumps of each row of
     tolists()), each group's rows are consecutive in the packing (rank), with and without rows that overflow K
-    (formatted on the host: then everything comes back in row order)."""
+    (formatted on the host: then everything comes back in row order); the same from a mask prepacked and copied
+    without its ids."""
     from vllm.v1.sample.sampling_mask import SamplingMaskTensors
 
     rng = np.random.default_rng(3)
@@ -184,9 +194,12 @@ def test_copy_text_lists_with_groups() -> None:
             logits[r, rng.choice(vocab, size=size, replace=False)] = rng.standard_normal(size)
         mask = SamplingMaskTensors.from_logits(torch.from_numpy(logits).to(DEVICE),
                                                torch.ones(num_reqs, dtype=torch.int32).to(DEVICE), 16)
-        copy = mask.prepack(True, group.to(DEVICE)).to_cpu_nonblocking(with_text=True)
-        lists = copy.tolists()
-        text = copy.text_lists(lists)
+        lists = mask.to_cpu_nonblocking().tolists()
+        copy = mask.prepack(True, group.to(DEVICE), with_ids=with_ids).to_cpu_nonblocking(with_text=True,
+                                                                                           with_ids=with_ids)
+        got = copy.tolists()
+        assert got.offsets.tolist() == lists.offsets.tolist() and (got.token_ids is None) is not with_ids
+        text = copy.text_lists(got)
         assert text is not None
         for r, row in enumerate(text.rows()):
             ids = lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]].tolist()
@@ -199,3 +212,22 @@ def test_copy_text_lists_with_groups() -> None:
             assert text.rank.tolist() == [3, 0, 5, 4, 1, 2, 6]
         else:
             assert text.rank is None
+
+
+def test_prepack_and_copy_refuse_layouts_they_cannot_give() -> None:
+    """A mask prepacked without its ids cannot be copied with them, one prepacked without its text cannot be
+    copied with it, and a prepack or copy with neither ids nor text is refused."""
+    from vllm.v1.sample.sampling_mask import SamplingMaskTensors
+
+    logits = torch.full((2, 64), float("-inf"))
+    logits[0, :5] = 0.0
+    mask = SamplingMaskTensors.from_logits(logits.to(DEVICE), None, 8)
+    with pytest.raises(ValueError, match="without its ids"):
+        mask.prepack(True, with_ids=False).to_cpu_nonblocking(with_text=True)
+    with pytest.raises(ValueError, match="without its JSON text"):
+        mask.prepack(False).to_cpu_nonblocking(with_text=True)
+    with pytest.raises(ValueError, match="ids or its JSON text"):
+        mask.prepack(False, with_ids=False)
+    copy = mask.prepack(True, with_ids=False).to_cpu_nonblocking(with_text=True, with_ids=False)
+    assert copy.tolists().offsets.tolist() == [0, 5, 5]
+    assert [bytes(t) for t in copy.text_lists(copy.tolists()).rows()] == [b"[0,1,2,3,4]", b"[]"]

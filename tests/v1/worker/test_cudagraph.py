@@ -251,6 +251,36 @@ def test_sampler_graph_matches_eager(top_k: int, top_p: float) -> None:
                 assert tok == w_tok
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_text_only_mask_copy_gives_the_same_texts(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_SAMPLING_MASK_COPY_IDS=0: the sampler graphs (CUDA; on CPU their padded eager stand-in) prepack no ids
+    and the copier copies none; the steps' lists carry each row's size and no ids, and the texts equal those of a
+    runner that copies the ids, step by step (the same seeded draws), each one its row's ids as JSON."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    params = SamplingParams(temperature=1.0, top_k=4, top_p=0.9, logprobs=1, max_tokens=16, ignore_eos=True)
+    steps: dict[str, list[Any]] = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("VLLM_SAMPLING_MASK_COPY_IDS", mode)
+        if device == "cpu":
+            runner, calls = _padded_cpu_runner([2, 4])
+        else:
+            runner, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4], record=False, **MASK_KWARGS)
+            runner.capture_model()
+        assert runner.output_copier.mask_ids is (mode == "1")
+        torch.manual_seed(1234)
+        steps[mode] = []
+        _run_steps(runner, 3, 3, params, steps[mode])
+        if device == "cpu":
+            assert calls == [4] * 4  # the prefill step and three decode steps through the padded sampler
+    _per_request(steps["1"], 3)  # every text is its row's ids as JSON
+    for got, want in zip(steps["0"], steps["1"], strict=True):
+        assert got.req_ids == want.req_ids and got.sampled_token_ids == want.sampled_token_ids
+        assert got.sampling_masks.token_ids is None
+        assert got.sampling_masks.offsets.tolist() == want.sampling_masks.offsets.tolist()
+        assert [bytes(t) for t in got.sampling_mask_text.rows()] == [bytes(t) for t in want.sampling_mask_text.rows()]
+
+
 def test_sampler_graphs_bookkeeping_without_capture() -> None:
     """SamplerGraphs' decisions that need no GPU: capture=False runs the function of the asked size eagerly; a
     key that failed to capture (or one past max_keys) makes run() return None so the runner samples eagerly."""

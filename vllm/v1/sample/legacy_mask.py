@@ -62,11 +62,11 @@ class LegacySamplingMask(NamedTuple):
     def from_logits(cls, logits: torch.Tensor, num_sampled: torch.Tensor | None) -> LegacySamplingMask:
         return cls(legacy_pack_sampling_mask(logits, num_sampled), logits.shape[1])
 
-    def to_cpu_nonblocking(self, with_text: bool = False, staging: HostStagingSlot | None = None
-                           ) -> LegacySamplingMaskCopy:
+    def to_cpu_nonblocking(self, with_text: bool = False, staging: HostStagingSlot | None = None,
+                           with_ids: bool = True) -> LegacySamplingMaskCopy:
         """Copy the whole bitmask to pinned memory on the side stream (as upstream's pre-change path did).
-        `with_text` and `staging` are ignored: the pre-change path never formats the masks' JSON text, and
-        allocates its copy per step."""
+        `with_text`, `staging` and `with_ids` are ignored: the pre-change path never formats the masks' JSON text,
+        always unpacks the ids, and allocates its copy per step."""
         if not self.packed_mask.is_cuda:
             return LegacySamplingMaskCopy(self.packed_mask, None, self.vocab_size)
         device = self.packed_mask.device

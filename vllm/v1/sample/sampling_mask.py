@@ -26,6 +26,9 @@ Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where s
 - A mask that went through `prepack` (the sampler's CUDA graphs do it) already holds the packed ids and JSON
   text: the copy stream then only copies them, with no kernel launched from Python.
 - `to_cpu_nonblocking(copy_packed_mask=True)` copies the whole bitmask eagerly (upstream's behaviour).
+- `to_cpu_nonblocking(with_text=True, with_ids=False)` copies the JSON text and the counts only: its lists carry
+  each row's size and no ids (SamplingMaskLists.token_ids None), and the text of a row past K is formatted from
+  that row of the bitmask. An API server's engine core needs no more: the servers receive the text alone.
 - On CPU tensors everything is already on the host: the copy is a no-op holding the same tensors.
 
 The pre-change path (vllm/v1/sample/legacy_mask.py: `legacy_pack_sampling_mask` + `legacy_unpack_sampling_mask`,
@@ -198,10 +201,14 @@ class SamplingMaskTensors(NamedTuple):
     def max_num_kept(self) -> int:
         return self.token_ids.shape[1]
 
-    def prepack(self, with_text: bool, group: torch.Tensor | None = None) -> SamplingMaskTensors:
+    def prepack(self, with_text: bool, group: torch.Tensor | None = None,
+                with_ids: bool = True) -> SamplingMaskTensors:
         """The same mask with its host-copy layout (packed ids, and JSON text with `with_text`) computed now, on
         the current stream: the sampler's CUDA graphs call it so that these kernels replay with the graph
         instead of being launched from Python every step (~0.5 ms of the engine's host time at 1024 rows).
+
+        with_ids=False (with_text only): no packed ids, for a copy that takes the text alone
+        (`to_cpu_nonblocking(with_ids=False)`).
 
         group ([num_reqs] int, with_text only): the text packs each group's rows together (each API server's),
         groups ascending; `text_lists` cuts it back per row.
@@ -209,9 +216,12 @@ class SamplingMaskTensors(NamedTuple):
         Rows past the first n of a padded graph step must have count 0 (their padding rows do) and, with a group,
         a group after every real row's (MASK_GROUP_PAD): they then add nothing to the packed ids, and only
         trailing "[]" texts past the first n rows' texts."""
+        if not (with_ids or with_text):
+            raise ValueError("A prepacked mask needs its ids or its JSON text.")
         mask = self.with_text_group(group) if with_text and group is not None else self
         text, text_lengths = mask._json_text() if with_text else (None, None)
-        return mask._replace(packed_ids=pack_rows(self.token_ids, self.counts), text=text, text_lengths=text_lengths)
+        packed_ids = pack_rows(self.token_ids, self.counts) if with_ids else None
+        return mask._replace(packed_ids=packed_ids, text=text, text_lengths=text_lengths)
 
     def with_text_group(self, group: torch.Tensor) -> SamplingMaskTensors:
         """This mask with its text's row groups (`prepack`): a copy of `group` made now, on the current stream,
@@ -232,19 +242,25 @@ class SamplingMaskTensors(NamedTuple):
         return json_rows_packed(self.token_ids, self.counts, self.text_group)
 
     def to_cpu_nonblocking(self, copy_packed_mask: bool = False, with_text: bool = False,
-                           staging: HostStagingSlot | None = None) -> SamplingMaskCopy:
+                           staging: HostStagingSlot | None = None, with_ids: bool = True) -> SamplingMaskCopy:
         """Start the device-to-host copy without blocking; see the module docstring for the protocol.
 
         with_text: also format each row's ids as JSON text on the copy stream (ops/mask_json.py) and copy it,
         for the API server (`SamplingMaskCopy.text_lists`).
+        with_ids=False (with_text only): copy the text and the counts, not the ids: the lists then carry each
+        row's size only (SamplingMaskLists.token_ids None), what an engine whose masks leave as text needs.
         staging: reusable pinned buffers to copy into (the async output copier's) instead of fresh pinned memory
         each step; the host lists are then views of a lending slot, or copied out of any other
         (HostStagingSlot)."""
-        if with_text and self.packed_ids is not None and self.text is None:
+        if not (with_ids or with_text):
+            raise ValueError("A mask copy needs the ids or the JSON text (with_ids=False needs with_text=True).")
+        if with_text and self.text is None and (self.packed_ids is not None):
             raise ValueError("This mask was prepacked without its JSON text.")
+        if with_ids and self.packed_ids is None and self.text is not None:
+            raise ValueError("This mask was prepacked without its ids.")
         if not self.counts.is_cuda:
             return SamplingMaskCopy(self, None, None, *(self._json_text() if with_text else (None, None)),
-                                    text_group=self.text_group if with_text else None)
+                                    text_group=self.text_group if with_text else None, with_ids=with_ids)
         device = self.counts.device
         stream = copy_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -252,8 +268,10 @@ class SamplingMaskTensors(NamedTuple):
         with torch.cuda.stream(stream):
             # NOTE: the ids leave the device packed row after row (what the host's CSR is), so the output thread
             # only cuts them; rows past K contribute nothing here and are filled from the bitmask.
-            ids = self.packed_ids if self.packed_ids is not None else pack_rows(self.token_ids, self.counts)
-            packed_ids = copy(ids, "ids")
+            packed_ids = None
+            if with_ids:
+                ids = self.packed_ids if self.packed_ids is not None else pack_rows(self.token_ids, self.counts)
+                packed_ids = copy(ids, "ids")
             counts = copy(self.counts, "counts")
             packed_mask = pinned_copy(self.packed_mask) if copy_packed_mask else self.packed_mask
             text, text_lengths, text_group = None, None, None
@@ -270,7 +288,7 @@ class SamplingMaskTensors(NamedTuple):
         if with_text and self.text_group is not None:
             self.text_group.record_stream(stream)
         return SamplingMaskCopy(SamplingMaskTensors(self.token_ids, packed_mask, counts, self.vocab_size), event,
-                                stream, text, text_lengths, packed_ids, staging, text_group)
+                                stream, text, text_lengths, packed_ids, staging, text_group, with_ids)
 
     def tolists(self) -> SamplingMaskLists:
         """CSR of the step (one row per request, offsets [num_reqs+1] int64); synchronous on device tensors."""
@@ -297,14 +315,19 @@ class SamplingMaskCopy:
     staging: HostStagingSlot | None = None
     # [R] int32: the text's row groups (SamplingMaskTensors.prepack), or None for rows in row order.
     text_group: torch.Tensor | None = None
+    # False: the ids were not copied (`to_cpu_nonblocking(with_ids=False)`): `tolists()` gives the offsets only.
+    with_ids: bool = True
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
 
     def tolists(self) -> SamplingMaskLists:
-        """Wait for the copy and build the CSR; gathers device bitmask rows only for overflow rows."""
+        """Wait for the copy and build the CSR; gathers device bitmask rows only for overflow rows. Without the
+        ids (`with_ids` False): token_ids None, the offsets (each row's size) only, and no bitmask read."""
         self.wait()
+        if not self.with_ids:
+            return SamplingMaskLists(None, _offsets(self.tensors.counts.numpy()), None)
         packed_ids = None if self.packed_ids is None else self._host_array("ids", self.packed_ids)
         return _tolists(self.tensors, self.stream, packed_ids, copy_out=self._copy_out)
 
@@ -342,16 +365,21 @@ class SamplingMaskCopy:
             # copy out of the slot.
             data = text[:offsets[-1]]
             return SamplingMaskText(data.copy() if self._copy_out else data, offsets, None, rank)
-        # Some rows' supports overflowed K on the device: all rows in row order, those formatted here.
+        # Some rows' supports overflowed K on the device: all rows in row order, those formatted here (from the
+        # lists' ids, or from their bitmask rows when the ids were not copied).
         assert lists.offsets is not None
         starts = (offsets[:-1] if rank is None else offsets[rank]).tolist()
+        host_rows = np.flatnonzero(lengths < 0)
+        if lists.token_ids is None:
+            row_ids = dict(zip(host_rows.tolist(), _bitmask_row_ids(self.tensors, host_rows, self.stream)))
+        else:
+            row_ids = {r: lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]] for r in host_rows.tolist()}
         pieces: list[bytes] = []
         for r, n in enumerate(lengths.tolist()):
             if n >= 0:
                 pieces.append(text[starts[r]:starts[r] + n].tobytes())
             else:
-                ids = lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]]
-                pieces.append(b"[" + b",".join(str(i).encode() for i in ids.tolist()) + b"]")
+                pieces.append(b"[" + b",".join(str(i).encode() for i in row_ids[r].tolist()) + b"]")
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
         np.cumsum([len(p) for p in pieces], out=offsets[1:])
         return SamplingMaskText(np.frombuffer(b"".join(pieces), dtype=np.uint8), offsets)
@@ -387,6 +415,24 @@ def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
     return host.numpy()
 
 
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """[num_reqs + 1] int64: the CSR offsets of rows of `counts` ids."""
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets
+
+
+def _bitmask_row_ids(mask: SamplingMaskTensors, rows: np.ndarray, stream: torch.cuda.Stream | None
+                     ) -> list[np.ndarray]:
+    """The support ids (ascending int64) of each of `rows`, read from the bitmask (device rows gathered and
+    copied on their own stream, see `_overflow_bitmask_rows`)."""
+    if not len(rows):
+        return []
+    packed = _overflow_bitmask_rows(mask.packed_mask, rows, stream)  # [len(rows), ceil(V/8)] uint8
+    bits = np.unpackbits(packed, axis=1, count=mask.vocab_size, bitorder="little")
+    return [np.flatnonzero(b) for b in bits]
+
+
 def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None,
              packed_ids: np.ndarray | None = None, copy_out: bool = False) -> SamplingMaskLists:
     """The step's CSR. `packed_ids` (host, see SamplingMaskCopy) spares the [num_reqs, K] boolean gather, which
@@ -394,8 +440,7 @@ def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None,
     `copy_out`: packed_ids is a staging buffer that a later step reuses, so the ids must not be a view of it."""
     counts = mask.counts.cpu().numpy().astype(np.int64)  # [num_reqs]
     num_kept = mask.token_ids.shape[1]
-    offsets = np.zeros(len(counts) + 1, dtype=np.int64)  # [num_reqs + 1]
-    np.cumsum(counts, out=offsets[1:])
+    offsets = _offsets(counts)  # [num_reqs + 1]
     overflow = counts > num_kept  # [num_reqs] bool
     if packed_ids is not None:
         compact = packed_ids[:int(counts[~overflow].sum())]

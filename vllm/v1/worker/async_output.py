@@ -71,10 +71,17 @@ class AsyncModelRunnerOutput:
 
 
 class AsyncOutputCopier:
-    def __init__(self, device: torch.device, use_thread: bool, mask_text: bool = False) -> None:
+    def __init__(self, device: torch.device, use_thread: bool, mask_text: bool = False,
+                 mask_ids: bool = True) -> None:
         self.device = device
         # Also turn the sampling masks into JSON text (on the copy stream), for the API server.
         self.mask_text = mask_text
+        # Copy the masks' ids to the host; False (with mask_text only): the text and the counts alone, the lists
+        # then carry each row's size and no ids (SamplingMaskLists.token_ids None), all an API server's engine
+        # core needs (VLLM_SAMPLING_MASK_COPY_IDS=0).
+        if not (mask_ids or mask_text):
+            raise ValueError("mask_ids=False needs mask_text=True.")
+        self.mask_ids = mask_ids
         on_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if on_cuda else None
         # Two pinned staging slots (sampled ids, logprobs; sampling masks when no lending slot is free) and their
@@ -137,7 +144,8 @@ class AsyncOutputCopier:
             if lent is not None:
                 lent.pending = True  # until the output thread has built this step's lists
             try:
-                mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot)
+                mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot,
+                                                             with_ids=self.mask_ids)
             except BaseException:
                 if lent is not None:
                     lent.pending = False  # any copy it queued runs before the next step's on the copy stream

@@ -118,8 +118,9 @@ class ModelRunner:
             SamplerGraphs(self.cudagraphs.capture_sizes) if self.use_cuda_graph and envs.VLLM_SAMPLER_CUDA_GRAPH
             else None)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
-        self.output_copier = AsyncOutputCopier(self.device, use_thread=self.async_scheduling,
-                                               mask_text=mc.return_sampling_mask and mc.sampling_mask_text)
+        mask_text = mc.return_sampling_mask and mc.sampling_mask_text
+        self.output_copier = AsyncOutputCopier(self.device, use_thread=self.async_scheduling, mask_text=mask_text,
+                                               mask_ids=not mask_text or envs.VLLM_SAMPLING_MASK_COPY_IDS)
         # [num_reqs of the previous sampling step] int64, on the device
         self._prev_sampled: torch.Tensor | None = None
 
@@ -368,7 +369,9 @@ class ModelRunner:
         out = self.sampler(logits, meta)
         mask = out.sampling_mask
         if isinstance(mask, SamplingMaskTensors):
-            out = replace(out, sampling_mask=mask.prepack(self.output_copier.mask_text, meta.sampling_mask_group))
+            copier = self.output_copier
+            out = replace(out, sampling_mask=mask.prepack(copier.mask_text, meta.sampling_mask_group,
+                                                          with_ids=copier.mask_ids))
         return out
 
     @staticmethod
