@@ -43,9 +43,10 @@ _VARS = {
     # Serving: format the sampling masks' JSON text on the device and splice it into streamed chunks
     # (vllm/v1/sample/ops/mask_json.py); 0 makes the API server format the ids itself (docs/benchmarks.md).
     "VLLM_SAMPLING_MASK_TEXT": lambda: _bool("VLLM_SAMPLING_MASK_TEXT", True),
-    # Performance work only: with that text on, also copy the masks' ids to the host every step (1; the API servers
-    # never receive them) instead of the text and the counts alone (0) (vllm/v1/worker/async_output.py).
-    "VLLM_SAMPLING_MASK_COPY_IDS": lambda: _bool("VLLM_SAMPLING_MASK_COPY_IDS", True),
+    # Performance work only: with that text on, the engine core copies the masks' text and counts to the host, not
+    # their ids, which the API servers never receive (0, the default); 1 copies the ids too, as before
+    # (vllm/v1/worker/async_output.py; measured in docs/benchmarks.md).
+    "VLLM_SAMPLING_MASK_COPY_IDS": lambda: _bool("VLLM_SAMPLING_MASK_COPY_IDS", False),
     # Performance work only: cProfile the API server and engine-core processes into this folder (vllm/profiling.py).
     "VLLM_CPROFILE_DIR": lambda: _str("VLLM_CPROFILE_DIR"),
     # Performance work only: the engine-core process logs where its time goes per step every 5 s
@@ -76,7 +77,7 @@ _VARS = {
     # Performance work only: the CUDA events the engine's threads wait on sleep instead of spinning
     # (vllm/v1/cuda_events.py).
     "VLLM_OUTPUT_BLOCKING_SYNC": lambda: _bool("VLLM_OUTPUT_BLOCKING_SYNC", False),
-    # Performance work only: the sampler's top-k select on CUDA tensors, "topk" (the default), "prefilter" or
+    # Performance work only: the sampler's top-k select on CUDA tensors, "prefilter" (the default), "topk" or
     # "row" (vllm/v1/sample/ops/topk_select.py; the same outputs bit for bit, measured in docs/benchmarks.md).
     "VLLM_TOPK_SELECT_IMPL": lambda: _str("VLLM_TOPK_SELECT_IMPL"),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.

@@ -75,6 +75,18 @@ def _padded_cpu_runner(sizes: list[int]) -> tuple[ModelRunner, list[int]]:
     return runner, _count_sampler_graph_runs(runner, sizes)
 
 
+def _mask_row(out: Any, j: int) -> list[int]:
+    """Row j's sampling mask of a runner output: its ids, or, when the runner copied only the JSON text (the
+    default with the text, VLLM_SAMPLING_MASK_COPY_IDS=0: ids-free lists), its text parsed (of the row's size)."""
+    masks = out.sampling_masks
+    size = int(masks.offsets[j + 1] - masks.offsets[j])
+    if masks.token_ids is not None:
+        return masks.token_ids[masks.offsets[j]:masks.offsets[j + 1]].tolist()
+    row = json.loads(bytes(out.sampling_mask_text.rows()[j]))
+    assert len(row) == size
+    return row
+
+
 def _assert_same_outputs(got: list[Any], want: list[Any], masks: bool = False) -> None:
     """Per step the same requests and tokens; with `masks` also logprobs (ids, values within 1e-5, ranks), mask
     ids and mask text."""
@@ -86,9 +98,7 @@ def _assert_same_outputs(got: list[Any], want: list[Any], masks: bool = False) -
             assert g.logprobs.logprob_token_ids[j].tolist() == w.logprobs.logprob_token_ids[j].tolist()
             assert g.logprobs.logprobs[j].tolist() == pytest.approx(w.logprobs.logprobs[j].tolist(), abs=1e-5)
             assert g.logprobs.sampled_token_ranks[j] == w.logprobs.sampled_token_ranks[j]
-            gm, wm = g.sampling_masks, w.sampling_masks
-            assert (gm.token_ids[gm.offsets[j]:gm.offsets[j + 1]].tolist()
-                    == wm.token_ids[wm.offsets[j]:wm.offsets[j + 1]].tolist())
+            assert _mask_row(g, j) == _mask_row(w, j)
         assert bytes(g.sampling_mask_text.text) == bytes(w.sampling_mask_text.text)
 
 def _run_steps(runner: ModelRunner, num_reqs: int, num_decodes: int, params: SamplingParams | None = None,
@@ -183,8 +193,8 @@ def _per_request(outputs: list[Any], num_reqs: int) -> list[list[tuple[Any, ...]
         row = []
         for i in range(num_reqs):
             j = out.req_id_to_index[f"r{i}"]
-            mask = masks.token_ids[masks.offsets[j]:masks.offsets[j + 1]].tolist() if masks is not None else None
-            if texts is not None:
+            mask = _mask_row(out, j) if masks is not None else None
+            if texts is not None and masks.token_ids is not None:
                 assert bytes(rows[j]) == json.dumps(mask, separators=(",", ":")).encode()
             row.append((out.sampled_token_ids[j], lp.logprob_token_ids[j].tolist(), lp.logprobs[j].tolist(),
                         int(lp.sampled_token_ranks[j]), mask))
@@ -521,9 +531,8 @@ def test_padded_sampler_of_prefill_steps_top_p_masks() -> None:
     assert sorted(g.req_ids) == sorted(w.req_ids)
     for r in g.req_ids:
         j, k = g.req_id_to_index[r], w.req_id_to_index[r]
-        gm, wm = g.sampling_masks, w.sampling_masks
-        mask = gm.token_ids[gm.offsets[j]:gm.offsets[j + 1]].tolist()
-        assert mask == wm.token_ids[wm.offsets[k]:wm.offsets[k + 1]].tolist()
+        mask = _mask_row(g, j)
+        assert mask == _mask_row(w, k)
         if r == "r1":  # the partial chunk
             assert mask == [] and g.sampled_token_ids[j] == []
             continue
@@ -531,11 +540,10 @@ def test_padded_sampler_of_prefill_steps_top_p_masks() -> None:
         assert g.logprobs.logprob_token_ids[j].tolist()[1] == w.logprobs.logprob_token_ids[k].tolist()[1]
         assert g.logprobs.logprobs[j].tolist()[1] == pytest.approx(w.logprobs.logprobs[k].tolist()[1], abs=1e-5)
     for out in got:
-        masks = out.sampling_masks
         for r in out.req_ids:
             j = out.req_id_to_index[r]
             if out.sampled_token_ids[j]:
-                assert out.sampled_token_ids[j][0] in masks.token_ids[masks.offsets[j]:masks.offsets[j + 1]].tolist()
+                assert out.sampled_token_ids[j][0] in _mask_row(out, j)
 
 
 def _assert_same_sampled(got: list[Any], want: list[Any]) -> None:
@@ -558,7 +566,7 @@ def _per_request_sampled(outputs: list[Any]) -> list[dict[str, tuple[Any, ...]]]
             if not out.sampled_token_ids[j]:
                 assert masks.offsets[j + 1] == masks.offsets[j]
                 continue
-            mask = masks.token_ids[masks.offsets[j]:masks.offsets[j + 1]].tolist()
+            mask = _mask_row(out, j)
             assert mask == out.sampled_token_ids[j]  # top_k=1
             row[r] = (out.sampled_token_ids[j], lp.logprob_token_ids[j].tolist(), mask, lp.logprobs[j].tolist())
         steps.append(row)
