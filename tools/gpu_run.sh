@@ -21,7 +21,10 @@ fi
 for s in $stages; do
   echo "=== $s $(date +%T)"
   case $s in
-    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; echo "SMT siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | tr "\n" " ")"; lscpu | grep -i -e "model name" -e "thread(s) per core" -e "core(s) per socket" -e "^CPU(s)" -e MHz; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" ;;
+    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; echo "SMT siblings: $(sort -u /sys/devices/system/cpu/cpu*/topology/thread_siblings_list | tr "\n" " ")"; lscpu | grep -i -e "model name" -e "thread(s) per core" -e "core(s) per socket" -e "^CPU(s)" -e MHz; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
+      # NOTE: the host's single-thread Python speed: the A/B's mask arm depends on it (docs/benchmarks.md, eighth
+      # session: hosts ~25% apart); best of five runs of a fixed loop.
+      python3 -c "import timeit; print('python loop ms (best of 5):', round(1e3 * min(timeit.repeat('sum(i * i for i in range(1000000))', number=1, repeat=5)), 1))" ;;
     tests) python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/v1/attention tests/v1/sample tests/models tests/v1/worker} 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
     async) python3 tools/gpu_async_check.py 2>&1 | grep -v Warning | tee "$OUT/async_check.txt" ;;
     graphs) python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_cudagraph.py 2>&1 | tail -3 | tee "$OUT/graph_tests.txt" ;;
