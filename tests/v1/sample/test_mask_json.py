@@ -216,7 +216,8 @@ def test_copy_text_lists_with_groups(with_ids: bool) -> None:
 
 def test_prepack_and_copy_refuse_layouts_they_cannot_give() -> None:
     """A mask prepacked without its ids cannot be copied with them, one prepacked without its text cannot be
-    copied with it, and a prepack or copy with neither ids nor text is refused."""
+    copied with it, a prepack or copy with neither ids nor text is refused, and so is a copy without the ids where
+    the vocabulary has ids of more than 7 digits (formatted from the ids on the host)."""
     from vllm.v1.sample.sampling_mask import SamplingMaskTensors
 
     logits = torch.full((2, 64), float("-inf"))
@@ -230,4 +231,10 @@ def test_prepack_and_copy_refuse_layouts_they_cannot_give() -> None:
         mask.prepack(False, with_ids=False)
     copy = mask.prepack(True, with_ids=False).to_cpu_nonblocking(with_text=True, with_ids=False)
     assert copy.tolists().offsets.tolist() == [0, 5, 5]
+    # A vocabulary with ids of 8 digits: the device leaves rows with such ids to the host, which needs their ids.
+    from vllm.v1.sample.sampling_mask import mask_ids_needed
+    assert mask_ids_needed(True, 10 ** 7) is False and mask_ids_needed(True, 10 ** 7 + 1) is True
+    assert mask_ids_needed(False, 1000) is True
+    with pytest.raises(ValueError, match="more than 7 digits"):
+        mask._replace(vocab_size=10 ** 7 + 1).to_cpu_nonblocking(with_text=True, with_ids=False)
     assert [bytes(t) for t in copy.text_lists(copy.tolists()).rows()] == [b"[0,1,2,3,4]", b"[]"]

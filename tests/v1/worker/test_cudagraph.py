@@ -88,8 +88,8 @@ def _mask_row(out: Any, j: int) -> list[int]:
 
 
 def _assert_same_outputs(got: list[Any], want: list[Any], masks: bool = False) -> None:
-    """Per step the same requests and tokens; with `masks` also logprobs (ids, values within 1e-5, ranks), mask
-    ids and mask text."""
+    """Per step the same requests and tokens; with `masks` also logprobs (ids, values within 1e-5, ranks), masks
+    (their ids, or their parsed text when the runners copy no ids: `_mask_row`) and mask text."""
     for g, w in zip(got, want, strict=True):
         assert g.req_ids == w.req_ids and g.sampled_token_ids == w.sampled_token_ids
         if not masks:
@@ -206,9 +206,13 @@ def _per_request(outputs: list[Any], num_reqs: int) -> list[list[tuple[Any, ...]
 # with top_p: the padded sampler draws random numbers for more rows, so the tokens (and with them the later
 # steps' contexts) may differ: the first decode step's masks and top logprobs are compared, and every step's
 # token must lie in its mask.
+@pytest.mark.parametrize("copy_ids", ["0", "1"], ids=["text_only", "ids"])
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (4, 0.9)])
 @pytest.mark.parametrize("num_reqs", [1, 3])
-def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float) -> None:
+def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float, copy_ids: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: with the ids copied too (VLLM_SAMPLING_MASK_COPY_IDS=1) every text is also checked against its ids.
+    monkeypatch.setenv("VLLM_SAMPLING_MASK_COPY_IDS", copy_ids)
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, logprobs=1, max_tokens=16, ignore_eos=True)
     ref, _ = _runner("cpu", record=False, **MASK_KWARGS)
     padded, calls = _padded_cpu_runner([2, 4])

@@ -19,8 +19,8 @@ Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where s
   `packed_mask` and never blocks the host.
 - The returned `SamplingMaskCopy` holds the host tensors, the event and a reference to the device
   `packed_mask`. Its `tolists()`, meant for the async output thread, waits on the event only, reads the
-  counts, and when some row has count > K gathers *only those rows* of the device bitmask on the copy
-  stream and copies them (overflow_rows x ceil(V/8) bytes). Steps without overflow (the common case, since
+  counts, and when some row has count > K gathers *only those rows* of the device bitmask on a stream of their
+  own and copies them (overflow_rows x ceil(V/8) bytes; without the ids, `text_lists()` does it). Steps without overflow (the common case, since
   top_k bounds the support except for boundary ties) copy no bitmask at all; the GPU's main stream is never
   stalled, only the output thread waits for that small gather.
 - A mask that went through `prepack` (the sampler's CUDA graphs do it) already holds the packed ids and JSON
@@ -28,7 +28,9 @@ Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where s
 - `to_cpu_nonblocking(copy_packed_mask=True)` copies the whole bitmask eagerly (upstream's behaviour).
 - `to_cpu_nonblocking(with_text=True, with_ids=False)` copies the JSON text and the counts only: its lists carry
   each row's size and no ids (SamplingMaskLists.token_ids None), and the text of a row past K is formatted from
-  that row of the bitmask. An API server's engine core needs no more: the servers receive the text alone.
+  that row of the bitmask. An API server's engine core needs no more: the servers receive the text alone. Not
+  for vocabularies with ids of more than MAX_DIGITS digits (`mask_ids_needed`): the device leaves rows with such
+  ids to the host, which formats them from the ids.
 - On CPU tensors everything is already on the host: the copy is a no-op holding the same tensors.
 
 The pre-change path (vllm/v1/sample/legacy_mask.py: `legacy_pack_sampling_mask` + `legacy_unpack_sampling_mask`,
@@ -52,7 +54,7 @@ from vllm.v1.host_staging import HostStagingSlot, copy_stream, pinned_copy
 from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
 from vllm.v1.sample.legacy_mask import legacy_pack_sampling_mask
 from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
-from vllm.v1.sample.ops.mask_json import json_rows_packed, pack_rows
+from vllm.v1.sample.ops.mask_json import MAX_DIGITS, json_rows_packed, pack_rows
 
 MAX_COMPACT_SUPPORT = 2048
 
@@ -254,6 +256,9 @@ class SamplingMaskTensors(NamedTuple):
         (HostStagingSlot)."""
         if not (with_ids or with_text):
             raise ValueError("A mask copy needs the ids or the JSON text (with_ids=False needs with_text=True).")
+        if not with_ids and mask_ids_needed(with_text, self.vocab_size):
+            raise ValueError(f"A vocabulary of {self.vocab_size} ids has ids of more than {MAX_DIGITS} digits, whose "
+                             "rows' JSON text is formatted from the ids: copy them (with_ids=True).")
         if with_text and self.text is None and (self.packed_ids is not None):
             raise ValueError("This mask was prepacked without its JSON text.")
         if with_ids and self.packed_ids is None and self.text is not None:
@@ -342,8 +347,9 @@ class SamplingMaskCopy:
         return host.numpy()
 
     def text_lists(self, lists: SamplingMaskLists) -> SamplingMaskText | None:
-        """The rows of `lists` (this copy's `tolists()`) as JSON text; None without `with_text`. Rows whose
-        support overflowed K on the device are formatted here from `lists`."""
+        """The rows of `lists` (this copy's `tolists()`) as JSON text; None without `with_text`. Rows the device
+        left to the host (support past K, or an id of more than MAX_DIGITS digits) are formatted here from `lists`,
+        or, for a copy without the ids, from their bitmask rows (only rows past K can be left then)."""
         if self.text is None or self.text_lengths is None:
             return None
         self.wait()
@@ -371,6 +377,9 @@ class SamplingMaskCopy:
         starts = (offsets[:-1] if rank is None else offsets[rank]).tolist()
         host_rows = np.flatnonzero(lengths < 0)
         if lists.token_ids is None:
+            # NOTE: to_cpu_nonblocking refuses a copy without ids where an id can exceed MAX_DIGITS digits, so every
+            # row left to the host is past K, the rows whose bitmask the sampler writes.
+            assert (np.diff(lists.offsets)[host_rows] > self.tensors.token_ids.shape[1]).all()
             row_ids = dict(zip(host_rows.tolist(), _bitmask_row_ids(self.tensors, host_rows, self.stream)))
         else:
             row_ids = {r: lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]] for r in host_rows.tolist()}
@@ -383,6 +392,13 @@ class SamplingMaskCopy:
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
         np.cumsum([len(p) for p in pieces], out=offsets[1:])
         return SamplingMaskText(np.frombuffer(b"".join(pieces), dtype=np.uint8), offsets)
+
+
+def mask_ids_needed(with_text: bool, vocab_size: int) -> bool:
+    """Whether a mask's host copy must carry its ids: without the JSON text (the ids are the mask), or when the
+    vocabulary has ids of more than MAX_DIGITS digits (the device leaves their rows to the host, which formats
+    them from the ids)."""
+    return not with_text or vocab_size > 10 ** MAX_DIGITS
 
 
 def group_rank(group: np.ndarray) -> np.ndarray:

@@ -9,9 +9,9 @@ Invariants:
 - Host buffers are pinned and reused (HostStagingSlot, grown on demand), in two slots used alternately: a slot
   is reused two steps later, after the engine has called `get_output()` of the step that used it (the batch
   queue is two deep), and the lists built from such a slot are copies, never views of it.
-- The sampling masks (ids and JSON text, MBs per step at 1024 rows) go to a lending slot instead when one is
-  free: their lists are views of it, handed out with the outputs, and the slot is taken again only once no
-  view is left (HostStagingSlot.in_use). In serving the views live until the engine core's ZMQ frames are
+- The sampling masks (their JSON text and counts for an API server's engine, else their ids; MBs per step at
+  1024 rows) go to a lending slot instead when one is free: their lists are views of it, handed out with the
+  outputs, and the slot is taken again only once no view is left (HostStagingSlot.in_use). In serving the views live until the engine core's ZMQ frames are
   sent, so a few slots go round; a consumer that keeps its outputs keeps its slots, and when all
   _MAX_LENDING_SLOTS are kept the masks go to the step's alternating slot and are copied out as above.
 - With `defer_mask_lists` (VLLM_ENGINE_DEFER_MASK_LISTS) a lending slot's masks are not turned into lists by

@@ -55,7 +55,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRun
 from vllm.v1.sample.metadata import MASK_GROUP_PAD, ROW_FIELDS, SamplingMetadata
 from vllm.v1.sample.fast_path import fast_path_applies
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
-from vllm.v1.sample.sampling_mask import SamplingMaskTensors
+from vllm.v1.sample.sampling_mask import SamplingMaskTensors, mask_ids_needed
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput, AsyncOutputCopier
 from vllm.v1.worker.cudagraph import (CudaGraphManager, SamplerGraphs, resolve_capture_sizes,
                                       resolve_mixed_capture_sizes)
@@ -119,8 +119,9 @@ class ModelRunner:
             else None)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         mask_text = mc.return_sampling_mask and mc.sampling_mask_text
+        mask_ids = envs.VLLM_SAMPLING_MASK_COPY_IDS or mask_ids_needed(mask_text, self.vocab_size)
         self.output_copier = AsyncOutputCopier(self.device, use_thread=self.async_scheduling, mask_text=mask_text,
-                                               mask_ids=not mask_text or envs.VLLM_SAMPLING_MASK_COPY_IDS)
+                                               mask_ids=mask_ids)
         # [num_reqs of the previous sampling step] int64, on the device
         self._prev_sampled: torch.Tensor | None = None
 
