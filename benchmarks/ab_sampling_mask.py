@@ -26,6 +26,9 @@ Invariants:
   `--lead-arm ARM` runs ARM first in every round and alternates the others after it (C A B, C B A): an arm that
   leaves the machine slower for the next one (the pre-change arm did, on 2026-12-03) then precedes each of them
   once, where the plain reversal (A B C, C B A) puts it before B only.
+- Before the first arm, one server of that arm is started and stopped (`prime_start`, counted in --budget-s; off
+  with --no-prime): on a fresh machine the first start compiles the Triton kernels and fills the caches (35-40 s
+  against 15-20), which would otherwise come out of the first arm's share and cut its levels short.
 """
 
 from __future__ import annotations
@@ -289,10 +292,30 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lead-arm", default=None,
                         help="With --rounds: run this arm (one of --arms) first in every round, the others in "
                              "alternating order after it (module docstring).")
+    parser.add_argument("--no-prime", dest="prime", action="store_false",
+                        help="Do not start and stop one server before the first arm (module docstring).")
     parser.add_argument("--out-dir", default="out/ab")
     parser.add_argument("--cprofile-dir", default=None,
                         help="Profile each arm's server processes with cProfile into DIR/<arm> (slows them down).")
     return parser
+
+
+def prime_start(args: argparse.Namespace, arm: str, deadline: float) -> float | None:
+    """Start one server of `arm` and stop it once healthy, so that the arms' starts find warm caches; returns its
+    start-up seconds, or None when it failed (logged; the arms still run)."""
+    log(f"=== priming: one start of {arm}")
+    t0 = time.monotonic()
+    port = free_port()
+    proc = start_server(args, arm, port, os.path.join(args.out_dir, "server_prime.log"))
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", min(args.timeout, max(10.0, (deadline - time.monotonic()) / 2)))
+        return time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001 - the arms' own starts report what is wrong
+        log(f"priming: {type(e).__name__}: {e}")
+        return None
+    finally:
+        stop_server(proc)
+        log(f"priming: server stopped ({time.monotonic() - t0:.0f}s)")
 
 
 def round_order(arms: list[str], r: int, lead: str | None = None) -> list[str]:
@@ -326,6 +349,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rounds: list[list[dict[str, Any]]] = []
     num_runs = args.rounds * len(args.arms)
+    prime_s = prime_start(args, round_order(args.arms, 0, args.lead_arm)[0], deadline) if args.prime else None
     for r in range(args.rounds):
         order = round_order(args.arms, r, args.lead_arm)
         results = []
@@ -340,7 +364,8 @@ def main() -> None:
              f"T={args.temperature} top_p={args.top_p} top_k={args.top_k} logprobs={args.logprobs}")
     table = markdown(arms, args.concurrencies, rounds)
     with open(os.path.join(args.out_dir, "ab_sampling_mask.json"), "w") as f:
-        json.dump({"args": vars(args), "arms": arms, "rounds": rounds if args.rounds > 1 else None}, f, indent=2)
+        json.dump({"args": vars(args), "prime_startup_s": prime_s, "arms": arms,
+                   "rounds": rounds if args.rounds > 1 else None}, f, indent=2)
     with open(os.path.join(args.out_dir, "ab_sampling_mask.md"), "w") as f:
         f.write(f"# Sampling-mask serving A/B\n\n{title}\n\n{table}\n")
     written = "json,md"

@@ -58,3 +58,38 @@ def test_arm_level_timeout_of_an_arm_not_run_is_refused(monkeypatch, capsys) -> 
     with pytest.raises(SystemExit):
         ab.main()
     assert "--arm-level-timeout: 'pre-change' is not one of --arms" in capsys.readouterr().err
+
+
+def test_one_server_is_primed_before_the_first_arm(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """Before the rounds, one server of the first arm (the lead arm when there is one) is started and stopped, and
+    its start-up time recorded; --no-prime skips it. Servers and levels are stand-ins here."""
+    import json
+
+    events: list[tuple[str, str]] = []
+
+    class _Proc:
+        pid = 0
+
+    def fake_start(args, arm, port, log_path):  # noqa: ANN001, ANN202
+        events.append(("start", arm))
+        return _Proc()
+
+    def fake_run_arm(args, arm, arm_deadline, log_suffix=""):  # noqa: ANN001, ANN202
+        events.append(("arm", arm))
+        return {"arm": arm, "error": None, "levels": [], "step_timing": [], "gc": []}
+
+    monkeypatch.setattr(ab, "start_server", fake_start)
+    monkeypatch.setattr(ab, "wait_healthy", lambda proc, url, timeout_s: None)
+    monkeypatch.setattr(ab, "stop_server", lambda proc: events.append(("stop", "")))
+    monkeypatch.setattr(ab, "run_arm", fake_run_arm)
+    monkeypatch.setattr(ab, "plot", lambda *a, **k: None)
+    for extra, want in (([], [("start", "pre-change"), ("stop", "")]), (["--no-prime"], [])):
+        events.clear()
+        out = tmp_path / ("noprime" if extra else "prime")
+        monkeypatch.setattr(sys, "argv", ["ab_sampling_mask.py", "--arms", "no-mask", "mask", "pre-change",
+                                          "--lead-arm", "pre-change", "--concurrencies", "4", "--out-dir", str(out),
+                                          *extra])
+        ab.main()
+        assert events == [*want, ("arm", "pre-change"), ("arm", "no-mask"), ("arm", "mask")]
+        prime_s = json.loads((out / "ab_sampling_mask.json").read_text())["prime_startup_s"]
+        assert (prime_s is None) == bool(extra)
