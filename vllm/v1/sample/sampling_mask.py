@@ -20,9 +20,9 @@ Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where s
 - The returned `SamplingMaskCopy` holds the host tensors, the event and a reference to the device
   `packed_mask`. Its `tolists()`, meant for the async output thread, waits on the event only, reads the
   counts, and when some row has count > K gathers *only those rows* of the device bitmask on a stream of their
-  own and copies them (overflow_rows x ceil(V/8) bytes; without the ids, `text_lists()` does it). Steps without overflow (the common case, since
-  top_k bounds the support except for boundary ties) copy no bitmask at all; the GPU's main stream is never
-  stalled, only the output thread waits for that small gather.
+  own and copies them (overflow_rows x ceil(V/8) bytes; without the ids, `text_lists()` does it). Steps without
+  overflow (the common case, since top_k bounds the support except for boundary ties) copy no bitmask at all;
+  the GPU's main stream is never stalled, only the output thread waits for that small gather.
 - A mask that went through `prepack` (the sampler's CUDA graphs do it) already holds the packed ids and JSON
   text: the copy stream then only copies them, with no kernel launched from Python.
 - `to_cpu_nonblocking(copy_packed_mask=True)` copies the whole bitmask eagerly (upstream's behaviour).

@@ -11,9 +11,10 @@ Invariants:
   queue is two deep), and the lists built from such a slot are copies, never views of it.
 - The sampling masks (their JSON text and counts for an API server's engine, else their ids; MBs per step at
   1024 rows) go to a lending slot instead when one is free: their lists are views of it, handed out with the
-  outputs, and the slot is taken again only once no view is left (HostStagingSlot.in_use). In serving the views live until the engine core's ZMQ frames are
-  sent, so a few slots go round; a consumer that keeps its outputs keeps its slots, and when all
-  _MAX_LENDING_SLOTS are kept the masks go to the step's alternating slot and are copied out as above.
+  outputs, and the slot is taken again only once no view is left (HostStagingSlot.in_use). In serving the views
+  live until the engine core's ZMQ frames are sent, so a few slots go round; a consumer that keeps its outputs
+  keeps its slots, and when all _MAX_LENDING_SLOTS are kept the masks go to the step's alternating slot and are
+  copied out as above.
 - With `defer_mask_lists` (VLLM_ENGINE_DEFER_MASK_LISTS) a lending slot's masks are not turned into lists by
   the output thread: the output carries them as DeferredMasks, built by the engine core when it sends the step
   (after launching the next ones); the slot stays pending until then. The output thread still waits for their
