@@ -72,6 +72,31 @@ def _busiest(arm: dict[str, Any]) -> dict[str, float] | None:
     return max(windows, key=lambda w: (w["rows"], w["steps_per_s"])) if windows else None
 
 
+# The engine core's host phases of a step (main thread), summed into `host` by `steady_windows`.
+_HOST_PHASES = ("inputs", "schedule", "launch", "update", "send")
+# steady_windows' columns: means over an arm's full-batch windows.
+_STEADY_KEYS = ("steps_per_s", "host", "launch", "update", "send", "out.lists", "dev.step", "dev.gap")
+
+
+def steady_windows(arm: dict[str, Any], concurrency: int) -> dict[str, float] | None:
+    """Means over the arm's step-timing windows of steady decode at `concurrency` streams (0.96-1.0 x
+    `concurrency` rows per step: every stream decoding, few prefills) of steps/s, the main thread's host ms per
+    step (`host`: inputs + schedule + launch + update + send) and its phases, the output thread's lists and the
+    device phases, with `windows` their count; None without such windows. Compares trees or settings by their
+    host work per step, which moves less between rounds than tokens/s."""
+    windows = [w for w in arm.get("step_timing") or []
+               if 0.96 * concurrency <= w["rows"] <= concurrency and w["steps_per_s"] > 0]
+    if not windows:
+        return None
+    out: dict[str, float] = {"windows": float(len(windows))}
+    for key in _STEADY_KEYS:
+        values = [sum(w.get(k, 0.0) for k in _HOST_PHASES) if key == "host" else w[key]
+                  for w in windows if key == "host" or key in w]
+        if values:
+            out[key] = statistics.fmean(values)
+    return out
+
+
 def _level(arm: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
     for level in arm["levels"]:
         if level.get("concurrency") == concurrency and "output_throughput" in level:
@@ -179,6 +204,17 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
                                           for k in ("schedule", "launch", "launch.mask", "wait", "update", "send",
                                                     "out.lists", "dev.step", "dev.gap"))
                              + f" | {w['host_busy_pct']:.0f}% |")
+    steady = [(a["arm"], c, steady_windows(a, c)) for c in concurrencies for a in arms]
+    if any(w is not None for _, _, w in steady):
+        lines += ["", "Engine step timing in steady decode (windows of 0.96-1.0 x the streams in rows per step; means "
+                      "over them, all rounds), ms per step; host = the main thread's inputs + schedule + launch + "
+                      "update + send:", "",
+                  "| streams | arm | windows | steps/s | host | launch | update | send | lists (output thread) "
+                  "| device step | device idle |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, c, w in steady:
+            if w is not None:
+                lines.append(f"| {c} | {name} | {w['windows']:.0f} | {w['steps_per_s']:.1f} | "
+                             + " | ".join(f"{w[k]:.2f}" if k in w else "-" for k in _STEADY_KEYS[1:]) + " |")
     if any(a.get("gc") for a in arms):
         lines += ["", "Garbage collection (VLLM_ENGINE_STEP_TIMING): the largest share of a log window paused, and "
                       "the longest single pause, over the arm's windows:", "",

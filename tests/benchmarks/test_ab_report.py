@@ -89,3 +89,28 @@ def test_gc_pause_windows_are_parsed_and_tabled(tmp_path) -> None:  # noqa: ANN0
     assert "| mask | 27.2% (121 ms) | 0.5% (12 ms) |" in report.markdown([arm], [64])
     assert "| mask | 27.2% (121 ms) | - |" in report.markdown([{**arm, "gc": windows[:2]}], [64])
     assert "Garbage collection" not in report.markdown([{**arm, "gc": []}], [64])
+
+
+def test_steady_windows_average_the_full_batch_windows() -> None:
+    """steady_windows: the windows with 0.96-1.0 x the streams in rows per step, averaged (host = the main
+    thread's five phases); ramp-up, drain and other levels' windows left out; tabled by markdown."""
+    def window(rows: float, sps: float, launch: float, gap: float | None = None) -> dict:
+        w = {"steps_per_s": sps, "rows": rows, "host_busy_pct": 50.0, "inputs": 0.1, "schedule": 0.2,
+             "launch": launch, "update": 0.5, "send": 0.4, "out.lists": 0.3, "dev.step": 4.5}
+        if gap is not None:
+            w["dev.gap"] = gap
+        return w
+
+    windows = [window(137, 30.0, 20.0), window(251, 218.0, 1.2, 0.1), window(253, 222.0, 1.4, 0.3),
+               window(193, 240.0, 1.0), window(505, 140.0, 1.6), window(0, 0.0, 0.0)]
+    arm = {"arm": "mask", "error": None, "levels": [], "step_timing": windows}
+    got = report.steady_windows(arm, 256)
+    assert got is not None and got["windows"] == 2
+    assert got["steps_per_s"] == 220.0 and abs(got["launch"] - 1.3) < 1e-9
+    assert abs(got["host"] - (0.1 + 0.2 + 1.3 + 0.5 + 0.4)) < 1e-9 and abs(got["dev.gap"] - 0.2) < 1e-9
+    assert report.steady_windows(arm, 512)["windows"] == 1 and "dev.gap" not in report.steady_windows(arm, 512)
+    assert report.steady_windows(arm, 1024) is None
+    text = report.markdown([arm], [256, 512, 1024])
+    assert "| 256 | mask | 2 | 220.0 | 2.50 | 1.30 | 0.50 | 0.40 | 0.30 | 4.50 | 0.20 |" in text
+    assert "| 512 | mask | 1 | 140.0 | 2.80 | 1.60 | 0.50 | 0.40 | 0.30 | 4.50 | - |" in text
+    assert "| 1024 | mask |" not in text
