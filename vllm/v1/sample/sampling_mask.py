@@ -254,11 +254,11 @@ class SamplingMaskTensors(NamedTuple):
         staging: reusable pinned buffers to copy into (the async output copier's) instead of fresh pinned memory
         each step; the host lists are then views of a lending slot, or copied out of any other
         (HostStagingSlot)."""
-        if not (with_ids or with_text):
-            raise ValueError("A mask copy needs the ids or the JSON text (with_ids=False needs with_text=True).")
         if not with_ids and mask_ids_needed(with_text, self.vocab_size):
-            raise ValueError(f"A vocabulary of {self.vocab_size} ids has ids of more than {MAX_DIGITS} digits, whose "
-                             "rows' JSON text is formatted from the ids: copy them (with_ids=True).")
+            raise ValueError(
+                "A mask copy needs the ids or the JSON text (with_ids=False needs with_text=True)." if not with_text
+                else f"A vocabulary of {self.vocab_size} ids has ids of more than {MAX_DIGITS} digits, whose rows' "
+                "JSON text is formatted from the ids: copy them (with_ids=True).")
         if with_text and self.text is None and (self.packed_ids is not None):
             raise ValueError("This mask was prepacked without its JSON text.")
         if with_ids and self.packed_ids is None and self.text is not None:
@@ -470,8 +470,5 @@ def _tolists(mask: SamplingMaskTensors, stream: torch.cuda.Stream | None,
         return SamplingMaskLists(compact.astype(np.int32, copy=copy_out), offsets, None)
     out = np.empty(int(offsets[-1]), dtype=np.int32)
     out[np.repeat(~overflow, counts)] = compact
-    rows = np.flatnonzero(overflow)
-    packed = _overflow_bitmask_rows(mask.packed_mask, rows, stream)  # [num_overflow, ceil(V/8)] uint8
-    bits = np.unpackbits(packed, axis=1, count=mask.vocab_size, bitorder="little")
-    out[np.repeat(overflow, counts)] = np.nonzero(bits)[1]
+    out[np.repeat(overflow, counts)] = np.concatenate(_bitmask_row_ids(mask, np.flatnonzero(overflow), stream))
     return SamplingMaskLists(out, offsets, None)
