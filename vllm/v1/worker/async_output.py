@@ -37,7 +37,7 @@ import torch
 
 from vllm.v1.cuda_events import host_event
 from vllm.v1.host_staging import HostStagingSlot
-from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, StepRowSettings
 from vllm.v1.sample.sampling_mask import SamplingMaskCopy
 
 # Lending staging slots for the sampling masks (module docstring); ~8 MB of pinned memory each at 1024 rows.
@@ -49,11 +49,13 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, future: Future[tuple[ModelRunnerOutput, np.ndarray]] | None,
                  output: ModelRunnerOutput | None = None, on_ready: Callable[[np.ndarray], None] | None = None,
-                 keep_alive: Any = None) -> None:
+                 keep_alive: Any = None, row_settings: StepRowSettings | None = None) -> None:
         self._future = future
         self._output = output
         self._on_ready = on_ready
         self._keep_alive = keep_alive
+        # Set on the output when it is taken (it is built in the output thread, these on the caller's).
+        self._row_settings = row_settings
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
@@ -63,6 +65,7 @@ class AsyncModelRunnerOutput:
         if self._output is None:
             assert self._future is not None
             self._output, sampled = self._future.result()
+            self._output.row_settings = self._row_settings
             self._future = None
             self._keep_alive = None
             if self._on_ready is not None:
@@ -113,10 +116,12 @@ class AsyncOutputCopier:
             self._step_start.record()
 
     def submit(self, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor, logprobs: Any,
-               sampling_mask: Any, on_ready: Callable[[np.ndarray], None]) -> AsyncModelRunnerOutput:
+               sampling_mask: Any, on_ready: Callable[[np.ndarray], None],
+               row_settings: StepRowSettings | None = None) -> AsyncModelRunnerOutput:
         """Start moving one step's outputs to the host. `sampled` is [num_reqs] int64 on the device, `logprobs`
         a LogprobsTensors or None, `sampling_mask` the sampler's mask (with `to_cpu_nonblocking`) or None.
-        `on_ready(sampled_np)` runs in the caller's thread when `get_output()` first returns."""
+        `on_ready(sampled_np)` runs in the caller's thread when `get_output()` first returns; `row_settings`
+        becomes the output's (ModelRunnerOutput.row_settings)."""
         event = None
         host_sampled, host_logprobs = sampled, logprobs
         slot = None
@@ -166,10 +171,11 @@ class AsyncOutputCopier:
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
             output, sampled_np = _build_output(event, *args, self.timer)
+            output.row_settings = row_settings
             on_ready(sampled_np)
             return AsyncModelRunnerOutput.ready(output)
         future = self._executor.submit(_build_output, event, *args, self.timer)
-        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
+        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive, row_settings)
 
     def _lending_slot(self) -> HostStagingSlot | None:
         """A lending slot that no step uses and no output views (a new one while there are fewer than
