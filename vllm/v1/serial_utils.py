@@ -175,10 +175,11 @@ def _unpack_csr(outs: list[Any], attr: str, cls: Any, indices: list[int], positi
 
 def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
     """A copy of `outputs` whose logprobs / masks / mask texts (per output, or step-level StepLogprobs /
-    StepMasks, whose outputs carry none of their own) are concatenated into `step_arrays`: (lp_outputs, lp_rows, lp_token_ids, lp_logprobs, lp_ranks,
-    *mask_csr, *text_csr): the indices of the outputs that carry logprobs and their row counts, the rows
-    stacked; for masks and their JSON texts, the output indices, positions per output, each position's start and
-    size in the data, and the data (per-output slices concatenated; StepMasks: a view of the step's arrays)."""
+    StepMasks, whose outputs carry none of their own) are concatenated into `step_arrays`: (lp_outputs, lp_rows,
+    lp_token_ids, lp_logprobs, lp_ranks, *mask_csr, *text_csr): the indices of the outputs that carry logprobs and
+    their row counts, the rows stacked; for masks and their JSON texts, the output indices, positions per output,
+    each position's start and size in the data, and the data (per-output slices concatenated; StepMasks: a view of
+    the step's arrays)."""
     outs = outputs.outputs
     step_logprobs, step_masks = outputs.step_logprobs, outputs.step_masks
     if step_logprobs is not None or step_masks is not None:
