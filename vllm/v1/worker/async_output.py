@@ -126,6 +126,7 @@ class AsyncOutputCopier:
         host_sampled, host_logprobs = sampled, logprobs
         slot = None
         device_events = None
+        mask_copy = lent = None
         if self.copy_stream is not None:
             slot, event = self._slots[self._next_slot], self._events[self._next_slot]
             self._next_slot ^= 1
@@ -142,24 +143,12 @@ class AsyncOutputCopier:
                 if logprobs is not None:
                     host_logprobs = type(logprobs)(*(slot.copy(t, name) for t, name in
                                                      zip(logprobs, ("lp_token_ids", "lp_values", "lp_ranks"))))
+                if sampling_mask is not None:
+                    # NOTE: on this stream, which waits for the compute stream already: no second wait or switch.
+                    mask_copy, lent = self._copy_mask(sampling_mask, slot, self.copy_stream)
                 event.record(self.copy_stream)
-        mask_copy = lent = None
-        if sampling_mask is not None:
-            t0 = time.perf_counter()
-            lent = self._lending_slot() if slot is not None else None
-            if lent is not None:
-                lent.pending = True  # until the output thread has built this step's lists
-            try:
-                mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot,
-                                                             with_ids=self.mask_ids)
-            except BaseException:
-                if lent is not None:
-                    lent.pending = False  # any copy it queued runs before the next step's on the copy stream
-                raise
-            if self.timer is not None:
-                self.timer.add("launch.mask", time.perf_counter() - t0)
-                if lent is None and slot is not None:
-                    self.timer.count("mask.copied")
+        elif sampling_mask is not None:
+            mask_copy, lent = self._copy_mask(sampling_mask, None, None)
         deferred = None
         # NOTE: not the pre-change path's copies (LegacySamplingMaskCopy): a benchmark arm, left as it was.
         if isinstance(mask_copy, SamplingMaskCopy) and self.defer_mask_lists and (lent is not None or slot is None):
@@ -176,6 +165,28 @@ class AsyncOutputCopier:
             return AsyncModelRunnerOutput.ready(output)
         future = self._executor.submit(_build_output, event, *args, self.timer)
         return AsyncModelRunnerOutput(future, None, on_ready, keep_alive, row_settings)
+
+    def _copy_mask(self, sampling_mask: Any, slot: HostStagingSlot | None, stream: torch.cuda.Stream | None
+                   ) -> tuple[Any, HostStagingSlot | None]:
+        """Start the sampling mask's host copy (on `stream`, the current copy stream, on CUDA) into a free lending
+        slot, else into the step's `slot`; returns the copy and the lending slot it took (pending until the output
+        thread has built the step's lists)."""
+        t0 = time.perf_counter()
+        lent = self._lending_slot() if slot is not None else None
+        if lent is not None:
+            lent.pending = True  # until the output thread has built this step's lists
+        try:
+            mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot,
+                                                         with_ids=self.mask_ids, stream=stream)
+        except BaseException:
+            if lent is not None:
+                lent.pending = False  # any copy it queued runs before the next step's on the copy stream
+            raise
+        if self.timer is not None:
+            self.timer.add("launch.mask", time.perf_counter() - t0)
+            if lent is None and slot is not None:
+                self.timer.count("mask.copied")
+        return mask_copy, lent
 
     def _lending_slot(self) -> HostStagingSlot | None:
         """A lending slot that no step uses and no output views (a new one while there are fewer than
