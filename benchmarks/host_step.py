@@ -34,7 +34,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core_proc import EngineCoreProc
-from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText, StepRowSettings
 from vllm.v1.request import Request
 from vllm.v1.sample.sampling_mask import group_rank
 from vllm.v1.serial_utils import MsgpackEncoder
@@ -64,9 +64,11 @@ def _model_dir() -> str:
 
 
 def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.random.Generator,
-                   client_of: dict[str, int] | None = None) -> ModelRunnerOutput:
-    """One decode step's output for `req_ids`; with `client_of`, the mask texts packed by client as the device
-    packs them (json_rows_packed with the rows' client_index)."""
+                   client_of: dict[str, int] | None = None, row_settings: bool = True) -> ModelRunnerOutput:
+    """One decode step's output for `req_ids`, as the model runner gives it to an API server's engine: with
+    `client_of`, the mask texts packed by client as the device packs them (json_rows_packed with the rows'
+    client_index) and the lists holding the sizes only (the ids stay on the device); with `row_settings`, the
+    runner's per-row settings (StepRowSettings), without them the scheduler reads each request's."""
     n = len(req_ids)
     sampled = rng.integers(3, VOCAB_SIZE, n)
     lp_ids = np.stack([sampled, rng.integers(3, VOCAB_SIZE, n)], axis=1).astype(np.int32)
@@ -84,13 +86,17 @@ def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.rando
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum([len(rows[r]) for r in order], out=offsets[1:])
         texts = SamplingMaskText(np.frombuffer(b"".join(rows[r] for r in order), dtype=np.uint8), offsets, None, rank)
+        if client_of is not None:
+            masks = masks._replace(token_ids=None)
+    settings = StepRowSettings(np.ones(n, dtype=bool), np.full(n, mask), np.full(n, 512, dtype=np.int32))
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[[int(t)] for t in sampled], logprobs=logprobs,
-                             sampling_masks=masks, sampling_mask_text=texts)
+                             sampling_masks=masks, sampling_mask_text=texts,
+                             row_settings=settings if row_settings else None)
 
 
 def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: str | None,
-        async_scheduling: bool = False) -> dict:
+        async_scheduling: bool = False, row_settings: bool = True) -> dict:
     config = VllmConfig(model_config=ModelConfig(model=_model_dir(), max_model_len=100_000),
                         cache_config=CacheConfig(block_size=16),
                         scheduler_config=SchedulerConfig(max_num_seqs=num_reqs,
@@ -111,7 +117,7 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
         in_flight = out
     else:
         sched.update_from_output(out, _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng,
-                                                     proc.client_of))
+                                                     proc.client_of, row_settings))
     runner_output = None
     times: dict[str, list[float]] = {"schedule": [], "update": [], "send": [], "total": []}
     profiler = cProfile.Profile() if profile else None
@@ -125,7 +131,8 @@ def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int,
             out, in_flight = in_flight, out
         if runner_output is None:
             # NOTE: one output for every step: each schedules all requests, so the rows are the same.
-            runner_output = _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng, proc.client_of)
+            runner_output = _runner_output(list(out.num_scheduled_tokens), mask, mask_size, rng, proc.client_of,
+                                           row_settings)
         outputs = sched.update_from_output(out, runner_output)
         t2 = time.perf_counter()
         proc.send_outputs(outputs)
@@ -154,6 +161,8 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="AsyncScheduler, one step in flight while the next is scheduled (the engine's order).")
     parser.add_argument("--cprofile", action="store_true", help="Print a cProfile of the mask arm's steps.")
+    parser.add_argument("--request-settings", action="store_true",
+                        help="Runner outputs without their per-row settings: the scheduler reads the requests'.")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     rows = []
@@ -164,7 +173,7 @@ def main() -> None:
             by_arm = {}
             for mask in (False, True):
                 r = run(n, clients, mask, args.steps, args.mask_size, "mask" if args.cprofile and mask else None,
-                        args.async_scheduling)
+                        args.async_scheduling, not args.request_settings)
                 arm = "mask" if mask else "no-mask"
                 by_arm[arm] = r
                 rows.append({"num_reqs": n, "clients": clients, "arm": arm, **r})

@@ -246,6 +246,19 @@ class PendingStepMasks(NamedTuple):
         return (step_masks, *step_mask_stats(step_masks, self.top_k))
 
 
+class StepRowSettings(NamedTuple):
+    """Settings of each runner row of a step (aligned with ModelRunnerOutput.req_ids) that the scheduler needs to
+    route the step's logprobs and masks (Scheduler._step_rows), taken from the runner's per-row arrays so that it
+    does not read them from every request in Python."""
+
+    # [num_reqs] bool: the row's request asked for logprobs.
+    wants_logprobs: np.ndarray
+    # [num_reqs] bool: the row's request gets sampling masks (the engine returns them and it did not opt out).
+    wants_mask: np.ndarray
+    # [num_reqs] int: the row's top_k; the vocabulary size for none.
+    top_k: np.ndarray
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     # [num_reqs]
@@ -260,6 +273,8 @@ class ModelRunnerOutput:
     # VLLM_ENGINE_DEFER_MASK_LISTS: the masks not yet built into sampling_masks / sampling_mask_text (both None
     # then), an object with `build()` -> (lists, texts) and `release()` (async_output.DeferredMasks).
     pending_masks: Any = None
+    # The model runner's per-row settings; None (hand-built outputs): the scheduler reads the requests'.
+    row_settings: StepRowSettings | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

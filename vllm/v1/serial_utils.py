@@ -175,20 +175,25 @@ def _unpack_csr(outs: list[Any], attr: str, cls: Any, indices: list[int], positi
 
 def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
     """A copy of `outputs` whose logprobs / masks / mask texts (per output, or step-level StepLogprobs /
-    StepMasks) are concatenated into `step_arrays`: (lp_outputs, lp_rows, lp_token_ids, lp_logprobs, lp_ranks,
-    *mask_csr, *text_csr): the indices of the outputs that carry logprobs and their row counts, the rows
-    stacked; for masks and their JSON texts, the output indices, positions per output, each position's start and
-    size in the data, and the data (per-output slices concatenated; StepMasks: a view of the step's arrays)."""
+    StepMasks, whose outputs carry none of their own) are concatenated into `step_arrays`: (lp_outputs, lp_rows,
+    lp_token_ids, lp_logprobs, lp_ranks, *mask_csr, *text_csr): the indices of the outputs that carry logprobs and
+    their row counts, the rows stacked; for masks and their JSON texts, the output indices, positions per output,
+    each position's start and size in the data, and the data (per-output slices concatenated; StepMasks: a view of
+    the step's arrays)."""
     outs = outputs.outputs
     step_logprobs, step_masks = outputs.step_logprobs, outputs.step_masks
-    lp = [(i, o.new_logprobs) for i, o in enumerate(outs) if o.new_logprobs is not None]
-    masks = [(i, o.new_sampling_mask) for i, o in enumerate(outs) if o.new_sampling_mask is not None]
-    texts = [(i, o.new_sampling_mask_text) for i, o in enumerate(outs) if o.new_sampling_mask_text is not None]
+    if step_logprobs is not None or step_masks is not None:
+        # NOTE: the scheduler's outputs: the step's rows are step-level and no output carries its own, so the
+        # outputs are not scanned for them (three passes over every output of every step otherwise).
+        lp, masks, texts = [], [], []
+    else:
+        lp = [(i, o.new_logprobs) for i, o in enumerate(outs) if o.new_logprobs is not None]
+        masks = [(i, o.new_sampling_mask) for i, o in enumerate(outs) if o.new_sampling_mask is not None]
+        texts = [(i, o.new_sampling_mask_text) for i, o in enumerate(outs) if o.new_sampling_mask_text is not None]
     if not lp and not masks and not texts and step_logprobs is None and step_masks is None:
         return outputs
     # NOTE: step-level rows (what the scheduler produces) cost one numpy gather per step, no per-output work.
     if step_logprobs is not None:
-        assert not lp, "an output carries both its own logprobs and a StepLogprobs row"
         lp_csr: tuple[Any, ...] = (step_logprobs.out_index.tolist(), step_logprobs.num_pos.tolist(),
                                    *step_logprobs.gather())
     elif lp:
@@ -201,7 +206,6 @@ def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
     # bytes per step for every API server to receive and cut for nothing.
     no_csr: tuple[Any, ...] = ([], [], None, None, None)
     if step_masks is not None:
-        assert not masks and not texts, "an output carries both its own mask and a StepMasks row"
         indices, positions = step_masks.out_index.tolist(), step_masks.num_pos.tolist()
         if step_masks.texts is not None:
             mask_csr, text_csr = no_csr, (indices, positions, *step_masks.gather(text=True))

@@ -7,11 +7,12 @@ a chunked-prefill piece that sampled nothing (an empty mask row).
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreOutputs, FinishReason
-from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText, StepRowSettings
 from vllm.v1.request import Request
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -43,26 +44,35 @@ def logprobs_for(rows: int) -> LogprobsLists:
     return LogprobsLists(ids, -ids.astype(np.float32) / 1000, np.arange(1, rows + 1, dtype=np.int32))
 
 
+@pytest.mark.parametrize("row_settings", [False, True], ids=["requests", "runner_rows"])
 def test_three_requests_each_receive_their_own_mask_row(make_scheduler: Callable[..., Scheduler],
-                                                         request_factory: Callable[..., Request]) -> None:
+                                                         request_factory: Callable[..., Request],
+                                                         row_settings: bool) -> None:
+    """Routing and stats from the requests' settings, or from the runner's per-row ones (StepRowSettings, what
+    the model runner gives): the same."""
     sched = make_scheduler(max_num_batched_tokens=24)
-    for rid in "abc":
-        sched.add_request(request_factory(rid, 4, logprobs=1, top_k=3))
+    for rid, top_k in zip("abc", (1, 3, 4)):
+        sched.add_request(request_factory(rid, 4, logprobs=1, top_k=top_k))
     # e opts out of masks and asks no logprobs; d's 30-token prompt only gets a chunk this step.
     sched.add_request(request_factory("e", 4, top_k=3, return_sampling_mask=False))
-    sched.add_request(request_factory("d", 30, logprobs=1, top_k=3))
+    sched.add_request(request_factory("d", 30, logprobs=1, top_k=5))
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 4, "b": 4, "c": 4, "e": 4, "d": 8}
 
-    req_ids = ["c", "d", "a", "e", "b"]
+    req_ids = ["e", "d", "a", "c", "b"]
     sampled = {"c": [7], "d": [], "a": [5], "e": [11], "b": [6]}
-    rows = {"c": [1, 7, 9], "d": [], "a": [0, 5], "e": [11, 12], "b": [2, 3, 6, 8]}  # b: a top-k tie, 4 > 3
+    # a: 2 ids past its top_k of 1 (a tie), b: 4 past 3.
+    rows = {"c": [1, 7, 9], "d": [], "a": [0, 5], "e": [11, 12], "b": [2, 3, 6, 8]}
     offsets = np.cumsum([0] + [len(rows[r]) for r in req_ids]).astype(np.int64)
     masks = SamplingMaskLists(np.array([t for r in req_ids for t in rows[r]], dtype=np.int32), offsets, None)
     logprobs = logprobs_for(len(req_ids))
     runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                       sampled_token_ids=[sampled[r] for r in req_ids], logprobs=logprobs,
                                       sampling_masks=masks)
+    if row_settings:  # in the runner's row order: e d a c b (e asks no logprobs and opts out of masks)
+        runner_output.row_settings = StepRowSettings(np.array([0, 1, 1, 1, 1], dtype=bool),
+                                                     np.array([0, 1, 1, 1, 1], dtype=bool),
+                                                     np.array([3, 5, 1, 4, 3], dtype=np.int32))
     outs = update(sched, out, runner_output)
 
     by_id = {o.request_id: o for o in outs.outputs}
@@ -83,7 +93,7 @@ def test_three_requests_each_receive_their_own_mask_row(make_scheduler: Callable
     stats = outs.scheduler_stats
     assert stats is not None
     assert stats.sampling_mask_sizes == [2, 4, 3]  # a, b, c in scheduling order
-    assert stats.num_sampling_mask_overflow_rows == 1
+    assert stats.num_sampling_mask_overflow_rows == 2  # a and b
     assert stats.num_running_reqs == 5 and stats.num_waiting_reqs == 0
 
 

@@ -202,10 +202,15 @@ def test_host_staging_slot_reuses_and_grows_its_buffers() -> None:
     assert torch.equal(slot.copy(f, "y"), f)
     small = slot.copy(torch.tensor([7, 8], dtype=torch.int32), "x")
     assert small.data_ptr() == got.data_ptr() and small.tolist() == [7, 8]
+    again = slot.copy(torch.tensor([9, 10], dtype=torch.int32), "x")  # the same (dtype, shape): its kept view
+    assert again.data_ptr() == got.data_ptr() and again.tolist() == [9, 10]
     big = torch.arange(100_000, dtype=torch.int32)
     grown = slot.copy(big, "x")
     assert torch.equal(grown, big)
     assert torch.equal(slot.copy(f, "y"), f)  # "y" untouched by "x" growing
+    # After growing, every copy under "x" lands in the new buffer, also one of a (dtype, shape) seen before.
+    after = slot.copy(torch.tensor([1, 2], dtype=torch.int32), "x")
+    assert after.data_ptr() == grown.data_ptr() != got.data_ptr() and after.tolist() == [1, 2]
 
 
 def test_lending_slot_is_in_use_while_a_view_lives() -> None:

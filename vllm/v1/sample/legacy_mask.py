@@ -8,7 +8,7 @@ bitmask (sampling_mask.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -63,10 +63,11 @@ class LegacySamplingMask(NamedTuple):
         return cls(legacy_pack_sampling_mask(logits, num_sampled), logits.shape[1])
 
     def to_cpu_nonblocking(self, with_text: bool = False, staging: HostStagingSlot | None = None,
-                           with_ids: bool = True) -> LegacySamplingMaskCopy:
+                           with_ids: bool = True, stream: Any = None) -> LegacySamplingMaskCopy:
         """Copy the whole bitmask to pinned memory on the side stream (as upstream's pre-change path did).
-        `with_text`, `staging` and `with_ids` are ignored: the pre-change path never formats the masks' JSON text,
-        always unpacks the ids, and allocates its copy per step."""
+        `with_text`, `staging`, `with_ids` and `stream` are ignored: the pre-change path never formats the masks'
+        JSON text, always unpacks the ids, allocates its copy per step and copies on its own stream (made to wait
+        for the current one)."""
         if not self.packed_mask.is_cuda:
             return LegacySamplingMaskCopy(self.packed_mask, None, self.vocab_size)
         device = self.packed_mask.device

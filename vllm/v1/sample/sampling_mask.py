@@ -41,8 +41,9 @@ VLLM_SAMPLING_MASK_LEGACY_PATH, benchmarks compare against it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -244,7 +245,8 @@ class SamplingMaskTensors(NamedTuple):
         return json_rows_packed(self.token_ids, self.counts, self.text_group)
 
     def to_cpu_nonblocking(self, copy_packed_mask: bool = False, with_text: bool = False,
-                           staging: HostStagingSlot | None = None, with_ids: bool = True) -> SamplingMaskCopy:
+                           staging: HostStagingSlot | None = None, with_ids: bool = True,
+                           stream: torch.cuda.Stream | None = None) -> SamplingMaskCopy:
         """Start the device-to-host copy without blocking; see the module docstring for the protocol.
 
         with_text: also format each row's ids as JSON text on the copy stream (ops/mask_json.py) and copy it,
@@ -253,7 +255,10 @@ class SamplingMaskTensors(NamedTuple):
         row's size only (SamplingMaskLists.token_ids None), what an engine whose masks leave as text needs.
         staging: reusable pinned buffers to copy into (the async output copier's) instead of fresh pinned memory
         each step; the host lists are then views of a lending slot, or copied out of any other
-        (HostStagingSlot)."""
+        (HostStagingSlot).
+        stream: a side stream that is the current stream and already waits for the stream that computed the mask
+        (the async output copier's): the copies are queued on it, with no second wait and no stream switch (~13 us
+        of host time per step). Default: the device's mask copy stream, made to wait for the current stream."""
         if not with_ids and mask_ids_needed(with_text, self.vocab_size):
             raise ValueError(
                 "A mask copy needs the ids or the JSON text (with_ids=False needs with_text=True)." if not with_text
@@ -267,10 +272,15 @@ class SamplingMaskTensors(NamedTuple):
             return SamplingMaskCopy(self, None, None, *(self._json_text() if with_text else (None, None)),
                                     text_group=self.text_group if with_text else None, with_ids=with_ids)
         device = self.counts.device
-        stream = copy_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        if stream is None:
+            stream = copy_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            on_stream: Any = torch.cuda.stream(stream)
+        else:
+            assert torch.cuda.current_stream(device) == stream, "the given copy stream must be the current one"
+            on_stream = contextlib.nullcontext()
         copy = (lambda t, _name: pinned_copy(t)) if staging is None else staging.copy
-        with torch.cuda.stream(stream):
+        with on_stream:
             # NOTE: the ids leave the device packed row after row (what the host's CSR is), so the output thread
             # only cuts them; rows past K contribute nothing here and are filled from the bitmask.
             packed_ids = None

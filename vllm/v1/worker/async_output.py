@@ -37,7 +37,7 @@ import torch
 
 from vllm.v1.cuda_events import host_event
 from vllm.v1.host_staging import HostStagingSlot
-from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, StepRowSettings
 from vllm.v1.sample.sampling_mask import SamplingMaskCopy
 
 # Lending staging slots for the sampling masks (module docstring); ~8 MB of pinned memory each at 1024 rows.
@@ -49,11 +49,13 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, future: Future[tuple[ModelRunnerOutput, np.ndarray]] | None,
                  output: ModelRunnerOutput | None = None, on_ready: Callable[[np.ndarray], None] | None = None,
-                 keep_alive: Any = None) -> None:
+                 keep_alive: Any = None, row_settings: StepRowSettings | None = None) -> None:
         self._future = future
         self._output = output
         self._on_ready = on_ready
         self._keep_alive = keep_alive
+        # Set on the output when it is taken (it is built in the output thread, these on the caller's).
+        self._row_settings = row_settings
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
@@ -63,6 +65,7 @@ class AsyncModelRunnerOutput:
         if self._output is None:
             assert self._future is not None
             self._output, sampled = self._future.result()
+            self._output.row_settings = self._row_settings
             self._future = None
             self._keep_alive = None
             if self._on_ready is not None:
@@ -113,14 +116,17 @@ class AsyncOutputCopier:
             self._step_start.record()
 
     def submit(self, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor, logprobs: Any,
-               sampling_mask: Any, on_ready: Callable[[np.ndarray], None]) -> AsyncModelRunnerOutput:
+               sampling_mask: Any, on_ready: Callable[[np.ndarray], None],
+               row_settings: StepRowSettings | None = None) -> AsyncModelRunnerOutput:
         """Start moving one step's outputs to the host. `sampled` is [num_reqs] int64 on the device, `logprobs`
         a LogprobsTensors or None, `sampling_mask` the sampler's mask (with `to_cpu_nonblocking`) or None.
-        `on_ready(sampled_np)` runs in the caller's thread when `get_output()` first returns."""
+        `on_ready(sampled_np)` runs in the caller's thread when `get_output()` first returns; `row_settings`
+        becomes the output's (ModelRunnerOutput.row_settings)."""
         event = None
         host_sampled, host_logprobs = sampled, logprobs
         slot = None
         device_events = None
+        mask_copy = lent = None
         if self.copy_stream is not None:
             slot, event = self._slots[self._next_slot], self._events[self._next_slot]
             self._next_slot ^= 1
@@ -137,24 +143,12 @@ class AsyncOutputCopier:
                 if logprobs is not None:
                     host_logprobs = type(logprobs)(*(slot.copy(t, name) for t, name in
                                                      zip(logprobs, ("lp_token_ids", "lp_values", "lp_ranks"))))
+                if sampling_mask is not None:
+                    # NOTE: on this stream, which waits for the compute stream already: no second wait or switch.
+                    mask_copy, lent = self._copy_mask(sampling_mask, slot, self.copy_stream)
                 event.record(self.copy_stream)
-        mask_copy = lent = None
-        if sampling_mask is not None:
-            t0 = time.perf_counter()
-            lent = self._lending_slot() if slot is not None else None
-            if lent is not None:
-                lent.pending = True  # until the output thread has built this step's lists
-            try:
-                mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot,
-                                                             with_ids=self.mask_ids)
-            except BaseException:
-                if lent is not None:
-                    lent.pending = False  # any copy it queued runs before the next step's on the copy stream
-                raise
-            if self.timer is not None:
-                self.timer.add("launch.mask", time.perf_counter() - t0)
-                if lent is None and slot is not None:
-                    self.timer.count("mask.copied")
+        elif sampling_mask is not None:
+            mask_copy, lent = self._copy_mask(sampling_mask, None, None)
         deferred = None
         # NOTE: not the pre-change path's copies (LegacySamplingMaskCopy): a benchmark arm, left as it was.
         if isinstance(mask_copy, SamplingMaskCopy) and self.defer_mask_lists and (lent is not None or slot is None):
@@ -166,10 +160,33 @@ class AsyncOutputCopier:
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
             output, sampled_np = _build_output(event, *args, self.timer)
+            output.row_settings = row_settings
             on_ready(sampled_np)
             return AsyncModelRunnerOutput.ready(output)
         future = self._executor.submit(_build_output, event, *args, self.timer)
-        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
+        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive, row_settings)
+
+    def _copy_mask(self, sampling_mask: Any, slot: HostStagingSlot | None, stream: torch.cuda.Stream | None
+                   ) -> tuple[Any, HostStagingSlot | None]:
+        """Start the sampling mask's host copy (on `stream`, the current copy stream, on CUDA) into a free lending
+        slot, else into the step's `slot`; returns the copy and the lending slot it took (pending until the output
+        thread has built the step's lists)."""
+        t0 = time.perf_counter()
+        lent = self._lending_slot() if slot is not None else None
+        if lent is not None:
+            lent.pending = True  # until the output thread has built this step's lists
+        try:
+            mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot,
+                                                         with_ids=self.mask_ids, stream=stream)
+        except BaseException:
+            if lent is not None:
+                lent.pending = False  # any copy it queued runs before the next step's on the copy stream
+            raise
+        if self.timer is not None:
+            self.timer.add("launch.mask", time.perf_counter() - t0)
+            if lent is None and slot is not None:
+                self.timer.count("mask.copied")
+        return mask_copy, lent
 
     def _lending_slot(self) -> HostStagingSlot | None:
         """A lending slot that no step uses and no output views (a new one while there are fewer than

@@ -51,7 +51,7 @@ from vllm.v1.attention.ops.triton_unified_attention import num_splits_for_cudagr
 from vllm.v1.attention.layer import set_attn_backend
 from vllm.v1.attention.selector import get_attn_backend
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput, StepRowSettings
 from vllm.v1.sample.metadata import MASK_GROUP_PAD, ROW_FIELDS, SamplingMetadata
 from vllm.v1.sample.fast_path import fast_path_applies
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
@@ -408,8 +408,10 @@ class ModelRunner:
         req_ids = inputs.req_ids
         sampled_req_ids = [req_ids[i] for i in sample_idx.tolist()]
         on_ready = partial(self._write_sampled, sampled_req_ids, positions, sample_idx)
+        rows = inputs.rows
+        row_settings = StepRowSettings(batch.num_logprobs[rows] >= 0, batch.wants_mask[rows], batch.top_k[rows])
         return self.output_copier.submit(req_ids, inputs.samples, out.sampled_token_ids, out.logprobs_tensors,
-                                         out.sampling_mask, on_ready)
+                                         out.sampling_mask, on_ready, row_settings)
 
     def _write_sampled(self, req_ids: list[str], positions: np.ndarray, sample_idx: np.ndarray,
                        sampled: np.ndarray) -> None:

@@ -369,9 +369,12 @@ class Scheduler:
         pending_masks = model_runner_output.pending_masks
         rows = np.array(out_rows, dtype=np.int64)
         nums = np.array(out_nums, dtype=np.int64)
+        # NOTE: the runner's per-row settings when it gives them (numpy gathers); else each request's, in Python.
+        settings = model_runner_output.row_settings
         step_logprobs = step_masks = None
         if logprobs is not None:
-            out_index = np.flatnonzero(np.array([r.wants_logprobs for r in out_reqs], dtype=bool))
+            out_index = np.flatnonzero(settings.wants_logprobs[rows] if settings is not None else
+                                       np.array([r.wants_logprobs for r in out_reqs], dtype=bool))
             out_index = out_index.astype(np.int64, copy=False)
             if len(out_index):
                 step_logprobs = StepLogprobs(logprobs, out_index,
@@ -380,10 +383,12 @@ class Scheduler:
         mask_sizes: list[int] = []
         num_overflow_rows = 0
         if sampling_masks is not None or pending_masks is not None:
-            out_index = np.flatnonzero(np.array([r.wants_sampling_mask for r in out_reqs], dtype=bool))
+            out_index = np.flatnonzero(settings.wants_mask[rows] if settings is not None else
+                                       np.array([r.wants_sampling_mask for r in out_reqs], dtype=bool))
             out_index = out_index.astype(np.int64, copy=False)
             if len(out_index):
-                top_k = np.array([out_reqs[r].sampling_params.top_k for r in out_index.tolist()], dtype=np.int64)
+                top_k = (settings.top_k[rows[out_index]].astype(np.int64) if settings is not None else
+                         np.array([out_reqs[r].sampling_params.top_k for r in out_index.tolist()], dtype=np.int64))
                 cu = None if sampling_masks is None else sampling_masks.cu_num_generated_tokens
                 positions = (out_index, _first_positions(cu, rows[out_index]), nums[out_index])
                 if sampling_masks is None:
