@@ -70,10 +70,12 @@ _VARS = {
     # Performance work only: the engine core schedules and launches the step after next before it sends (or, in
     # process, hands on) the outputs of the step just finished (EngineCore.launch_ahead).
     "VLLM_ENGINE_LAUNCH_AHEAD": lambda: _bool("VLLM_ENGINE_LAUNCH_AHEAD", False),
-    # Performance work only: a step's sampling-mask lists are built by the engine core's main thread when the step's
-    # outputs are sent (after the next launch with VLLM_ENGINE_LAUNCH_AHEAD), not by the output thread before the
-    # step's update (vllm/v1/worker/async_output.py: DeferredMasks).
-    "VLLM_ENGINE_DEFER_MASK_LISTS": lambda: _bool("VLLM_ENGINE_DEFER_MASK_LISTS", False),
+    # A step's sampling-mask lists are built by the engine core's main thread when the step's outputs are sent
+    # (after the next launch with VLLM_ENGINE_LAUNCH_AHEAD), not by the output thread before the step's update
+    # (vllm/v1/worker/async_output.py: DeferredMasks); on by default since the ninth session's H200 A/B (the two
+    # threads no longer take turns on the GIL while the next step launches; docs/benchmarks.md). 0: the output
+    # thread builds them.
+    "VLLM_ENGINE_DEFER_MASK_LISTS": lambda: _bool("VLLM_ENGINE_DEFER_MASK_LISTS", True),
     # Performance work only: the CUDA events the engine's threads wait on sleep instead of spinning
     # (vllm/v1/cuda_events.py).
     "VLLM_OUTPUT_BLOCKING_SYNC": lambda: _bool("VLLM_OUTPUT_BLOCKING_SYNC", False),

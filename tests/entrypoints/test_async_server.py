@@ -1,7 +1,7 @@
 """`vllm serve` with async scheduling (the two-deep batch queue and the output thread, which a GPU runs by default),
-here on CPU (no copy streams, staging slots or graphs), with the two experiment switches on: launch-ahead
-(VLLM_ENGINE_LAUNCH_AHEAD=1: each step's outputs are sent after the step after next was launched) and deferred
-mask lists (VLLM_ENGINE_DEFER_MASK_LISTS=1: built by the engine core when it sends them). Seeded requests return
+here on CPU (no copy streams, staging slots or graphs), with launch-ahead on (VLLM_ENGINE_LAUNCH_AHEAD=1, an
+experiment: each step's outputs are sent after the step after next was launched) and deferred mask lists
+(VLLM_ENGINE_DEFER_MASK_LISTS=1, the default: built by the engine core when it sends them). Seeded requests return
 the synchronous offline engine's tokens and masks; concurrent sampled streams get one mask per token with the
 token inside; a dropped stream is aborted and frees its KV blocks."""
 

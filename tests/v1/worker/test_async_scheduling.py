@@ -66,9 +66,12 @@ def test_greedy_stops_and_lengths_match(llms: dict[bool, LLM]) -> None:
         assert core.scheduler.kv_cache_manager.usage == 0
 
 
-def test_seeded_logprobs_and_masks_match() -> None:
-    """Async scheduling (lists built by the output thread) gives the synchronous engine's seeded tokens, logprobs
-    and masks."""
+@pytest.mark.parametrize("deferred", [False, True])
+def test_seeded_logprobs_and_masks_match(deferred: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling gives the synchronous engine's seeded tokens, logprobs and masks, with the mask lists built
+    by the output thread (VLLM_ENGINE_DEFER_MASK_LISTS=0) or by the caller's thread when it takes the step's
+    outputs (deferred, the default)."""
+    monkeypatch.setenv("VLLM_ENGINE_DEFER_MASK_LISTS", "1" if deferred else "0")
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i, max_tokens=10, logprobs=3,
                              ignore_eos=True) for i in range(5)]
     results = {}
@@ -76,8 +79,11 @@ def test_seeded_logprobs_and_masks_match() -> None:
         llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=flag,
                   return_sampling_mask=True, logprobs_mode="processed_logprobs")
         results[flag] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
-        if flag:  # the list building is the output thread's phase
-            assert llm.llm_engine.engine_core.engine_core.step_timer.totals["out.lists"] > 0
+        if flag:  # the token and logprob lists are the output thread's phase; the mask lists are where deferred
+            core = _engine_core(llm)
+            assert core.worker.model_runner.output_copier.defer_mask_lists is deferred
+            assert core.step_timer.totals["out.lists"] > 0
+            assert (core.step_timer.totals.get("send.masks", 0) > 0) is deferred
     _assert_same_samples(results[False], results[True], 10)
     for out in results[True]:
         for token, support in zip(out.outputs[0].token_ids, out.outputs[0].sampling_mask.token_ids):
