@@ -18,7 +18,8 @@ done
 if [ -n "${TEST_PATHS:-}" ]; then
   echo "=== tests (new) $(date +%T)"
   (cd "$B" && PYTHONPATH=/tmp/site:$B PYTHONUNBUFFERED=1 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q \
-    -p no:cacheprovider --tb=short -rfE $TEST_PATHS > "$R/tests_new.txt" 2>&1; tail -5 "$R/tests_new.txt")
+    -p no:cacheprovider --tb=short -rfE $TEST_PATHS > "$R/tests_new.txt" 2>&1; echo "pytest rc=$?" >> "$R/tests_new.txt"
+    tail -5 "$R/tests_new.txt")  # NOTE: pyproject's addopts has -q: with this one no summary line, hence the rc
 fi
 python3 "$HERE/cpu_sample.py" --interval 2 --top 24 > "$R/cpu_sample.txt" 2>&1 & CS=$!
 AB_ARGS=${AB_ARGS:-"--arms no-mask mask --concurrencies 512 1024 --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 105"}
