@@ -114,12 +114,13 @@ def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One result per arm (in the first round's order) from the arms' results of every round: each level's
     output throughput, TTFT and TPOT medians are medians over the rounds that have the level (its per-round
     throughputs kept in `round_throughputs`), truncated if any round was, masks_ok if every round's was; the
-    step-timing windows of all rounds together; an arm that failed in any round carries that round's error."""
+    step-timing windows of all rounds together; an arm that failed in any round carries that round's error. An arm
+    may be missing from later rounds (ab_sampling_mask.py --arm-rounds): its medians are over the rounds it ran."""
     if len(rounds) == 1:
         return rounds[0]
     combined = []
     for first in rounds[0]:
-        runs = [next(a for a in r if a["arm"] == first["arm"]) for r in rounds]
+        runs = [a for r in rounds for a in r if a["arm"] == first["arm"]]
         levels = []
         for level in first["levels"]:
             c = level.get("concurrency")
@@ -188,7 +189,8 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
             per_round = []
             for r in rounds:
                 by = {a["arm"]: a for a in r}
-                per_round.append(" ".join(_ratio(_level(by[n], c), _level(by["no-mask"], c)) for n in ratio_arms))
+                no_mask = _level(by["no-mask"], c) if "no-mask" in by else None
+                per_round.append(" ".join(_ratio(_level(by[n], c), no_mask) if n in by else "-" for n in ratio_arms))
             lines.append(f"- c={c}: " + ", ".join(per_round))
     busiest = [(a["arm"], _busiest(a)) for a in arms]
     if any(w is not None for _, w in busiest):

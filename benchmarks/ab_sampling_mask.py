@@ -23,6 +23,8 @@ Invariants:
 - With --rounds N every arm runs N times, the arm order reversed every other round (A B, B A, ...: drift of the
   machine falls on both sides); the table shows each level's median over the rounds and the ratios of those
   medians, then every round's own ratios (arms of one round ran minutes apart, rounds further apart).
+  `--arm-rounds ARM=N` runs ARM in the first N rounds only (e.g. the pre-change arm once, so that the time goes
+  to more rounds of the arms whose ratio is measured); its medians are over those rounds.
   `--lead-arm ARM` runs ARM first in every round and alternates the others after it (C A B, C B A): an arm that
   leaves the machine slower for the next one (the pre-change arm did, on 2026-12-03) then precedes each of them
   once, where the plain reversal (A B C, C B A) puts it before B only.
@@ -239,6 +241,18 @@ def arm_level_timeout(args: argparse.Namespace, arm: str) -> float:
     return dict(args.arm_level_timeout).get(arm, args.level_timeout)
 
 
+def arm_rounds(args: argparse.Namespace, arm: str) -> int:
+    """How many rounds `arm` runs: its --arm-rounds, else --rounds."""
+    return dict(args.arm_rounds).get(arm, args.rounds)
+
+
+def _arm_rounds_arg(value: str) -> tuple[str, int]:
+    arm, sep, count = value.rpartition("=")
+    if not sep or not arm or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected ARM=ROUNDS with ROUNDS >= 1, got {value!r}")
+    return _arm_arg(arm), int(count)
+
+
 def _arm_timeout_arg(value: str) -> tuple[str, float]:
     arm, sep, seconds = value.rpartition("=")
     try:
@@ -289,6 +303,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1,
                         help="Run every arm this many times, the arm order reversed every other round; the table "
                              "reports medians over the rounds.")
+    parser.add_argument("--arm-rounds", type=_arm_rounds_arg, action="append", default=[], metavar="ARM=ROUNDS",
+                        help="Run one arm in the first ROUNDS rounds only (repeatable; at most --rounds).")
     parser.add_argument("--lead-arm", default=None,
                         help="With --rounds: run this arm (one of --arms) first in every round, the others in "
                              "alternating order after it (module docstring).")
@@ -338,6 +354,11 @@ def main() -> None:
     for arm, _ in args.arm_level_timeout:
         if arm not in args.arms:
             parser.error(f"--arm-level-timeout: {arm!r} is not one of --arms.")
+    for arm, count in args.arm_rounds:
+        if arm not in args.arms:
+            parser.error(f"--arm-rounds: {arm!r} is not one of --arms.")
+        if count > args.rounds:
+            parser.error(f"--arm-rounds: {arm}={count} is more than --rounds {args.rounds}.")
     if args.lead_arm is not None and args.lead_arm not in args.arms:
         parser.error(f"--lead-arm {args.lead_arm!r} is not one of --arms.")
     if len({arm_file_name(a) for a in args.arms}) != len(args.arms):
@@ -348,13 +369,14 @@ def main() -> None:
     deadline = time.monotonic() + args.budget_s
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rounds: list[list[dict[str, Any]]] = []
-    num_runs = args.rounds * len(args.arms)
+    runs_left = sum(arm_rounds(args, arm) for arm in args.arms)
     prime_s = prime_start(args, round_order(args.arms, 0, args.lead_arm)[0], deadline) if args.prime else None
     for r in range(args.rounds):
-        order = round_order(args.arms, r, args.lead_arm)
+        order = [arm for arm in round_order(args.arms, r, args.lead_arm) if r < arm_rounds(args, arm)]
         results = []
         for arm in order:
-            share = (deadline - time.monotonic()) / (num_runs - r * len(args.arms) - len(results))
+            share = (deadline - time.monotonic()) / runs_left
+            runs_left -= 1
             log(f"=== arm {arm}" + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else "")
                 + f" ({share:.0f}s of the budget)")
             results.append(run_arm(args, arm, time.monotonic() + share, f"_r{r + 1}" if args.rounds > 1 else ""))

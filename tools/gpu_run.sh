@@ -3,7 +3,8 @@
 # offline throughput, serving A/B. Results land in $OUT (the device tool's output folder) or ./out; with
 # PACK=1 they are packed into $OUT/all.tgz instead (the device tool returns only a few files, and no deep folders).
 #   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
-# Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians); stage `diagnose` the next
+# Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians), `acceptance_rounds` the same with
+# three rounds of no mask and mask and one of the pre-change arm; stage `diagnose` the next
 # experiments on the mask arm's step (host or device, launch-ahead, deferred mask lists), `ahead_offline` the
 # offline launch-ahead A/B; stage `contention` the CPU-contention ones.
 # Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
@@ -128,6 +129,15 @@ for s in $stages; do
         ${LEVELS:---num-prompts-per-concurrency 10 --level-timeout 16 --arm-level-timeout pre-change=8} \
         --mask-check ${MASK_CHECK:-count} \
         2>&1 | grep --line-buffered -v Warning | tee "$OUT/acceptance.txt" ;;
+    acceptance_rounds)  # the same three arms, but no mask and mask in three rounds and the pre-change arm in the
+      # first only (--arm-rounds), 12 s levels (~8.5 min): the rounds of one level differed by up to 12% on
+      # 2026-12-04 (host or device slower for a whole level), so the medians of the two arms the ratio is about
+      # need more rounds than two; the pre-change arm's flat throughput shows in one.
+      VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py \
+        --out-dir "$OUT/acceptance_rounds" --arms no-mask mask pre-change --rounds 3 --arm-rounds pre-change=1 \
+        --lead-arm pre-change --budget-s 520 \
+        ${LEVELS:---num-prompts-per-concurrency 10 --level-timeout 12 --arm-level-timeout pre-change=6} \
+        --mask-check ${MASK_CHECK:-count} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/acceptance_rounds.txt" ;;
   esac
 done
 [ -n "${sampler:-}" ] && kill "$sampler"

@@ -93,3 +93,48 @@ def test_one_server_is_primed_before_the_first_arm(monkeypatch, tmp_path) -> Non
         assert events == [*want, ("arm", "pre-change"), ("arm", "no-mask"), ("arm", "mask")]
         prime_s = json.loads((out / "ab_sampling_mask.json").read_text())["prime_startup_s"]
         assert (prime_s is None) == bool(extra)
+
+
+def test_arm_rounds_runs_one_arm_in_the_first_rounds_only(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """--arm-rounds pre-change=1: the pre-change arm runs in round 1 only, the others in all three (order still
+    alternating), and each run gets an equal share of the budget left over the runs left (7 runs, not 9)."""
+    import json
+
+    import pytest
+
+    runs: list[tuple[str, str, float]] = []
+    clock = [1000.0]
+    monkeypatch.setattr(ab.time, "monotonic", lambda: clock[0])
+
+    def fake_run_arm(args, arm, arm_deadline, log_suffix=""):  # noqa: ANN001, ANN202
+        runs.append((arm, log_suffix, arm_deadline - clock[0]))
+        clock[0] = arm_deadline  # each run takes its whole share
+        return {"arm": arm, "error": None, "step_timing": [], "gc": [], "server_log": f"{arm}{log_suffix}.log",
+                "levels": [{"concurrency": 4, "output_throughput": 100.0 + len(runs), "truncated": False,
+                            "masks_ok": None, "ttft_ms_median": 1.0, "tpot_ms_median": 1.0}]}
+
+    monkeypatch.setattr(ab, "run_arm", fake_run_arm)
+    monkeypatch.setattr(ab, "plot", lambda *a, **k: None)
+    argv = ["ab_sampling_mask.py", "--arms", "no-mask", "mask", "pre-change", "--rounds", "3", "--lead-arm",
+            "pre-change", "--arm-rounds", "pre-change=1", "--concurrencies", "4", "--budget-s", "140", "--no-prime",
+            "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    ab.main()
+    assert [(arm, suffix) for arm, suffix, _ in runs] == [
+        ("pre-change", "_r1"), ("no-mask", "_r1"), ("mask", "_r1"), ("mask", "_r2"), ("no-mask", "_r2"),
+        ("no-mask", "_r3"), ("mask", "_r3")]
+    assert [share for _, _, share in runs] == [pytest.approx(20.0)] * 7  # 140 / 7, then 120 / 6, ...
+    result = json.loads((tmp_path / "ab_sampling_mask.json").read_text())
+    pre = next(a for a in result["arms"] if a["arm"] == "pre-change")
+    assert pre["levels"][0]["round_throughputs"] == [101.0]  # its one round
+    mask = next(a for a in result["arms"] if a["arm"] == "mask")
+    assert mask["levels"][0]["round_throughputs"] == [103.0, 104.0, 107.0]
+    table = (tmp_path / "ab_sampling_mask.md").read_text()
+    assert "- c=4: 1.010 0.990, 0.990 -, 1.009 -" in table  # mask and pre-change over no mask, per round
+    assert "| 4 | 105 (1 / 1.0) | 104 (1 / 1.0) | 101 (1 / 1.0) | 0.990 | 0.962 |" in table  # medians
+    for bad, message in ((["--arm-rounds", "pre-change=4"], "is more than --rounds 3"),
+                         (["--arm-rounds", "pre-change=0"], "expected ARM=ROUNDS"),
+                         (["--arm-rounds", "mask-ids=1"], "'mask-ids' is not one of --arms")):
+        monkeypatch.setattr(sys, "argv", [*argv, *bad])
+        with pytest.raises(SystemExit):
+            ab.main()
