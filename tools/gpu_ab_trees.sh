@@ -22,6 +22,7 @@ if [ -n "${TEST_PATHS:-}" ]; then
     tail -5 "$R/tests_new.txt")  # NOTE: pyproject's addopts has -q: with this one no summary line, hence the rc
 fi
 python3 "$HERE/cpu_sample.py" --interval 2 --top 24 > "$R/cpu_sample.txt" 2>&1 & CS=$!
+bash "$HERE/gpu_sample.sh" 2 > "$R/gpu_sample.csv" 2>&1 & GS=$!
 AB_ARGS=${AB_ARGS:-"--arms no-mask mask --concurrencies 512 1024 --num-prompts-per-concurrency 3 --level-timeout 20 --budget-s 105"}
 i=0
 for t in "$A" "$B" "$B" "$A"; do
@@ -31,5 +32,5 @@ for t in "$A" "$B" "$B" "$A"; do
   (cd "$t" && AB_ARGS="$args" OUT="$R/ab$i-$name" bash tools/gpu_run.sh ab > /dev/null 2>&1)
   grep -A6 "^| concurrency" "$R/ab$i-$name/ab.txt" | head -7
 done
-kill "$CS"
+kill "$CS" "$GS"
 tar czf /tmp/gpu_ab_trees.tgz -C "$OUT" r && rm -rf "$R" && mv /tmp/gpu_ab_trees.tgz "$OUT/all.tgz"

@@ -8,7 +8,7 @@
 # experiments on the mask arm's step (host or device, launch-ahead, deferred mask lists), `ahead_offline` the
 # offline launch-ahead A/B; stage `contention` the CPU-contention ones.
 # Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
-# per-thread CPU use (tools/cpu_sample.py) while the stages run.
+# per-thread CPU use (tools/cpu_sample.py) and the GPU's clocks and throttle reasons while the stages run.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if [ ! -d /tmp/site/msgspec ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -18,6 +18,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 stages=${*:-"info tests backend mask attn throughput"}
 if [ "${CPU_SAMPLE:-0}" = 1 ]; then  # per-thread CPU use of the python processes, every 5 s, during all stages
   python3 tools/cpu_sample.py > "$OUT/cpu_sample.txt" 2>&1 & sampler=$!
+  # NOTE: and the GPU's clocks, power, temperature and throttle reasons every 2 s (read only): a level whose
+  # device step runs slower shows why here (2026-12-04: one level's device step 10% slower than the others').
+  bash tools/gpu_sample.sh 2 > "$OUT/gpu_sample.csv" 2>&1 & gpu_sampler=$!
 fi
 for s in $stages; do
   echo "=== $s $(date +%T)"
@@ -140,7 +143,7 @@ for s in $stages; do
         --mask-check ${MASK_CHECK:-count} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/acceptance_rounds.txt" ;;
   esac
 done
-[ -n "${sampler:-}" ] && kill "$sampler"
+[ -n "${sampler:-}" ] && kill "$sampler" "$gpu_sampler"
 if [ "${PACK:-0}" = 1 ]; then
   # NOTE: the device tool returns only a few files: everything goes back as one archive.
   tar czf /tmp/gpu_run_all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_run_all.tgz "$OUT/all.tgz"
