@@ -104,10 +104,16 @@ def _level(arm: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
     return None
 
 
-def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None, key: str = "output_throughput") -> str:
+def _ratio_value(num: dict[str, Any] | None, den: dict[str, Any] | None,
+                 key: str = "output_throughput") -> float | None:
     if num is None or den is None or not den.get(key) or num.get(key) is None:
-        return "-"
-    return f"{num[key] / den[key]:.3f}"
+        return None
+    return num[key] / den[key]
+
+
+def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None, key: str = "output_throughput") -> str:
+    value = _ratio_value(num, den, key)
+    return "-" if value is None else f"{value:.3f}"
 
 
 def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -184,14 +190,21 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
             lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
     if rounds is not None and len(rounds) > 1 and ratio_arms:
         lines += ["", f"Medians over {len(rounds)} rounds (arm order alternating between rounds); each round's own "
-                      "ratios:", ""]
+                      "ratios, then in brackets the median of those (the arms of one round ran back to back, so "
+                      "this pairs them; the table divides the medians):", ""]
         for c in concurrencies:
             per_round = []
+            paired: dict[str, list[float]] = {n: [] for n in ratio_arms}
             for r in rounds:
                 by = {a["arm"]: a for a in r}
                 no_mask = _level(by["no-mask"], c) if "no-mask" in by else None
                 per_round.append(" ".join(_ratio(_level(by[n], c), no_mask) if n in by else "-" for n in ratio_arms))
-            lines.append(f"- c={c}: " + ", ".join(per_round))
+                for n in ratio_arms:
+                    value = _ratio_value(_level(by[n], c), no_mask) if n in by else None
+                    if value is not None:
+                        paired[n].append(value)
+            medians = " ".join(f"{statistics.median(v):.3f}" if v else "-" for v in paired.values())
+            lines.append(f"- c={c}: " + ", ".join(per_round) + f" [{medians}]")
     busiest = [(a["arm"], _busiest(a)) for a in arms]
     if any(w is not None for _, w in busiest):
         lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "

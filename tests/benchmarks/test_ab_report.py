@@ -64,7 +64,7 @@ def test_rounds_are_combined_into_medians_with_each_rounds_ratios() -> None:
     table = report.markdown(arms, [4, 8], rounds)
     # The table's ratio is the ratio of the medians (90 / 110, 170 / 200); each round's own ratio follows.
     assert "| 0.818 |" in table and "| 0.850 |" in table
-    assert "- c=4: 0.900, 0.909, 0.667" in table and "- c=8: 0.750, 1.056, 0.773" in table
+    assert "- c=4: 0.900, 0.909, 0.667 [0.900]" in table and "- c=8: 0.750, 1.056, 0.773 [0.773]" in table
     # Steady-state medians (throughput + 10 here): no mask 120 and mask 100 at c=4.
     assert "Steady state" in table and "| 4 | 120 | 100 | 0.833 |" in table
     assert report.combine_rounds(rounds[:1]) is rounds[0]

@@ -130,7 +130,8 @@ def test_arm_rounds_runs_one_arm_in_the_first_rounds_only(monkeypatch, tmp_path)
     mask = next(a for a in result["arms"] if a["arm"] == "mask")
     assert mask["levels"][0]["round_throughputs"] == [103.0, 104.0, 107.0]
     table = (tmp_path / "ab_sampling_mask.md").read_text()
-    assert "- c=4: 1.010 0.990, 0.990 -, 1.009 -" in table  # mask and pre-change over no mask, per round
+    # Mask and pre-change over no mask, per round, then the medians of those (pre-change: its one round).
+    assert "- c=4: 1.010 0.990, 0.990 -, 1.009 - [1.009 0.990]" in table
     assert "| 4 | 105 (1 / 1.0) | 104 (1 / 1.0) | 101 (1 / 1.0) | 0.990 | 0.962 |" in table  # medians
     for bad, message in ((["--arm-rounds", "pre-change=4"], "is more than --rounds 3"),
                          (["--arm-rounds", "pre-change=0"], "expected ARM=ROUNDS"),
