@@ -182,14 +182,14 @@ def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
     the step's arrays)."""
     outs = outputs.outputs
     step_logprobs, step_masks = outputs.step_logprobs, outputs.step_masks
-    if step_logprobs is not None or step_masks is not None:
-        # NOTE: the scheduler's outputs: the step's rows are step-level and no output carries its own, so the
-        # outputs are not scanned for them (three passes over every output of every step otherwise).
-        lp, masks, texts = [], [], []
-    else:
-        lp = [(i, o.new_logprobs) for i, o in enumerate(outs) if o.new_logprobs is not None]
-        masks = [(i, o.new_sampling_mask) for i, o in enumerate(outs) if o.new_sampling_mask is not None]
-        texts = [(i, o.new_sampling_mask_text) for i, o in enumerate(outs) if o.new_sampling_mask_text is not None]
+    # NOTE: the scheduler's outputs carry their logprobs and masks as step-level rows and none of their own, so a
+    # kind that is step-level is not scanned for in the outputs (three passes over every output of every step
+    # otherwise); a kind that is not step-level still is (hand-built outputs may carry their own).
+    lp = [] if step_logprobs is not None else [
+        (i, o.new_logprobs) for i, o in enumerate(outs) if o.new_logprobs is not None]
+    masks, texts = ([], []) if step_masks is not None else (
+        [(i, o.new_sampling_mask) for i, o in enumerate(outs) if o.new_sampling_mask is not None],
+        [(i, o.new_sampling_mask_text) for i, o in enumerate(outs) if o.new_sampling_mask_text is not None])
     if not lp and not masks and not texts and step_logprobs is None and step_masks is None:
         return outputs
     # NOTE: step-level rows (what the scheduler produces) cost one numpy gather per step, no per-output work.

@@ -131,3 +131,24 @@ def test_step_masks_over_frames_match_the_inline_encoding() -> None:
     for g, w, row in zip(got.outputs, inline.outputs, rows):
         assert g.request_id == w.request_id and g.new_token_ids == w.new_token_ids
         assert g.new_sampling_mask.to_nested_list() == w.new_sampling_mask.to_nested_list() == [row.tolist()]
+
+
+def test_step_level_logprobs_beside_an_output_with_its_own_mask() -> None:
+    """Step-level logprobs (StepLogprobs) and a mask carried by one output itself (a hand-built output; the
+    scheduler makes both step-level): both arrive, the mask as SamplingMaskLists."""
+    from vllm.v1.outputs import StepLogprobs
+
+    lists = LogprobsLists(np.array([[5, 1], [7, 7], [2, 3]], np.int32),
+                          np.array([[-0.5, -1.0], [-0.25, -0.25], [-2.0, -0.75]], np.float32),
+                          np.array([2, 1, 3], np.int32), None)
+    # Output 0 owns position 2, output 1 positions 0-1.
+    step = StepLogprobs(lists, np.array([0, 1]), np.array([2, 0]), np.array([1, 2]))
+    mask = SamplingMaskLists(np.array([2, 6, 9], np.int32), None, None)
+    outputs = EngineCoreOutputs(outputs=[EngineCoreOutput("a", [2], None, mask), EngineCoreOutput("b", [5, 7])],
+                                step_logprobs=step)
+    got = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
+    a, b = got.outputs
+    assert isinstance(a.new_sampling_mask, SamplingMaskLists)
+    assert a.new_sampling_mask.to_nested_list() == [[2, 6, 9]] and b.new_sampling_mask is None
+    assert a.new_logprobs.logprob_token_ids == [[2, 3]] and a.new_logprobs.sampled_token_ranks == [3]
+    assert b.new_logprobs.logprob_token_ids == [[5, 1], [7, 7]] and b.new_logprobs.sampled_token_ranks == [2, 1]

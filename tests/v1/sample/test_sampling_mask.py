@@ -211,6 +211,11 @@ def test_host_staging_slot_reuses_and_grows_its_buffers() -> None:
     # After growing, every copy under "x" lands in the new buffer, also one of a (dtype, shape) seen before.
     after = slot.copy(torch.tensor([1, 2], dtype=torch.int32), "x")
     assert after.data_ptr() == grown.data_ptr() != got.data_ptr() and after.tolist() == [1, 2]
+    # Row counts change step to step over a server's life: the slot keeps one view per name, not one per shape.
+    for n in range(1, 300):
+        assert slot.copy(torch.arange(n, dtype=torch.int32), "x").tolist() == list(range(n))
+        assert slot.copy(torch.full((n, 2), 0.5), "y").shape == (n, 2)
+    assert len(slot._views) == 2
 
 
 def test_lending_slot_is_in_use_while_a_view_lives() -> None:
