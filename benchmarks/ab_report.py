@@ -121,12 +121,15 @@ def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     output throughput, TTFT and TPOT medians are medians over the rounds that have the level (its per-round
     throughputs kept in `round_throughputs`), truncated if any round was, masks_ok if every round's was; the
     step-timing windows of all rounds together; an arm that failed in any round carries that round's error. An arm
-    may be missing from later rounds (ab_sampling_mask.py --arm-rounds): its medians are over the rounds it ran."""
+    may be missing from some rounds (ab_sampling_mask.py --arm-rounds): its medians are over the rounds it ran, and
+    the arms come in the order of their first appearance."""
     if len(rounds) == 1:
         return rounds[0]
     combined = []
-    for first in rounds[0]:
-        runs = [a for r in rounds for a in r if a["arm"] == first["arm"]]
+    names = list(dict.fromkeys(a["arm"] for r in rounds for a in r))
+    for name in names:
+        runs = [a for r in rounds for a in r if a["arm"] == name]
+        first = runs[0]
         levels = []
         for level in first["levels"]:
             c = level.get("concurrency")
@@ -189,9 +192,12 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
                              for n in ratio_arms)
             lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
     if rounds is not None and len(rounds) > 1 and ratio_arms:
-        lines += ["", f"Medians over {len(rounds)} rounds (arm order alternating between rounds); each round's own "
-                      "ratios, then in brackets the median of those (the arms of one round ran back to back, so "
-                      "this pairs them; the table divides the medians):", ""]
+        fewer = [f"{n} in {sum(n in {a['arm'] for a in r} for r in rounds)}" for n in names
+                 if any(n not in {a["arm"] for a in r} for r in rounds)]
+        lines += ["", f"Medians over {len(rounds)} rounds" + (f" ({', '.join(fewer)} of them)" if fewer else "")
+                  + " (arm order alternating between rounds); each round's own ratios, then in brackets the median "
+                    "of those (the arms of one round ran back to back, so this pairs them; the table divides the "
+                    "medians):", ""]
         for c in concurrencies:
             per_round = []
             paired: dict[str, list[float]] = {n: [] for n in ratio_arms}

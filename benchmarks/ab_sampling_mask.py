@@ -23,8 +23,9 @@ Invariants:
 - With --rounds N every arm runs N times, the arm order reversed every other round (A B, B A, ...: drift of the
   machine falls on both sides); the table shows each level's median over the rounds and the ratios of those
   medians, then every round's own ratios (arms of one round ran minutes apart, rounds further apart).
-  `--arm-rounds ARM=N` runs ARM in the first N rounds only (e.g. the pre-change arm once, so that the time goes
-  to more rounds of the arms whose ratio is measured); its medians are over those rounds.
+  `--arm-rounds ARM=N` runs ARM in the last N rounds only (e.g. the pre-change arm once, so that the time goes
+  to more rounds of the arms whose ratio is measured; last, so that an arm that leaves the machine slower comes
+  after the others' rounds); its medians are over those rounds. Not for no-mask, the ratios' baseline.
   `--lead-arm ARM` runs ARM first in every round and alternates the others after it (C A B, C B A): an arm that
   leaves the machine slower for the next one (the pre-change arm did, on 2026-12-03) then precedes each of them
   once, where the plain reversal (A B C, C B A) puts it before B only.
@@ -304,7 +305,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="Run every arm this many times, the arm order reversed every other round; the table "
                              "reports medians over the rounds.")
     parser.add_argument("--arm-rounds", type=_arm_rounds_arg, action="append", default=[], metavar="ARM=ROUNDS",
-                        help="Run one arm in the first ROUNDS rounds only (repeatable; at most --rounds).")
+                        help="Run one arm in the last ROUNDS rounds only (repeatable; at most --rounds; not no-mask).")
     parser.add_argument("--lead-arm", default=None,
                         help="With --rounds: run this arm (one of --arms) first in every round, the others in "
                              "alternating order after it (module docstring).")
@@ -359,6 +360,8 @@ def main() -> None:
             parser.error(f"--arm-rounds: {arm!r} is not one of --arms.")
         if count > args.rounds:
             parser.error(f"--arm-rounds: {arm}={count} is more than --rounds {args.rounds}.")
+        if arm == "no-mask":
+            parser.error("--arm-rounds: no-mask is the baseline of every round's ratios; it runs in every round.")
     if args.lead_arm is not None and args.lead_arm not in args.arms:
         parser.error(f"--lead-arm {args.lead_arm!r} is not one of --arms.")
     if len({arm_file_name(a) for a in args.arms}) != len(args.arms):
@@ -372,7 +375,7 @@ def main() -> None:
     runs_left = sum(arm_rounds(args, arm) for arm in args.arms)
     prime_s = prime_start(args, round_order(args.arms, 0, args.lead_arm)[0], deadline) if args.prime else None
     for r in range(args.rounds):
-        order = [arm for arm in round_order(args.arms, r, args.lead_arm) if r < arm_rounds(args, arm)]
+        order = [arm for arm in round_order(args.arms, r, args.lead_arm) if r >= args.rounds - arm_rounds(args, arm)]
         results = []
         for arm in order:
             share = (deadline - time.monotonic()) / runs_left

@@ -132,13 +132,14 @@ for s in $stages; do
         ${LEVELS:---num-prompts-per-concurrency 10 --level-timeout 16 --arm-level-timeout pre-change=8} \
         --mask-check ${MASK_CHECK:-count} \
         2>&1 | grep --line-buffered -v Warning | tee "$OUT/acceptance.txt" ;;
-    acceptance_rounds)  # the same three arms, but no mask and mask in three rounds and the pre-change arm in the
-      # first only (--arm-rounds), 12 s levels (~8.5 min): the rounds of one level differed by up to 12% on
-      # 2026-12-04 (host or device slower for a whole level), so the medians of the two arms the ratio is about
-      # need more rounds than two; the pre-change arm's flat throughput shows in one.
+    acceptance_rounds)  # the same three arms, but no mask and mask in three rounds and the pre-change arm once,
+      # at the very end (--arm-rounds: the last round; it once left the machine slower for the arm after it), 12 s
+      # levels (~8.5 min): the rounds of one level differed by up to 12% on 2026-12-04 (host or device slower for a
+      # whole level), so the two arms the ratio is about need more rounds than two; the pre-change arm's flat
+      # throughput shows in one.
       VLLM_ENGINE_STEP_TIMING=${VLLM_ENGINE_STEP_TIMING:-1} python3 benchmarks/ab_sampling_mask.py \
         --out-dir "$OUT/acceptance_rounds" --arms no-mask mask pre-change --rounds 3 --arm-rounds pre-change=1 \
-        --lead-arm pre-change --budget-s 520 \
+        --budget-s 520 \
         ${LEVELS:---num-prompts-per-concurrency 10 --level-timeout 12 --arm-level-timeout pre-change=6} \
         --mask-check ${MASK_CHECK:-count} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/acceptance_rounds.txt" ;;
   esac

@@ -95,9 +95,10 @@ def test_one_server_is_primed_before_the_first_arm(monkeypatch, tmp_path) -> Non
         assert (prime_s is None) == bool(extra)
 
 
-def test_arm_rounds_runs_one_arm_in_the_first_rounds_only(monkeypatch, tmp_path) -> None:  # noqa: ANN001
-    """--arm-rounds pre-change=1: the pre-change arm runs in round 1 only, the others in all three (order still
-    alternating), and each run gets an equal share of the budget left over the runs left (7 runs, not 9)."""
+def test_arm_rounds_runs_one_arm_in_the_last_rounds_only(monkeypatch, tmp_path, capsys) -> None:  # noqa: ANN001
+    """--arm-rounds pre-change=1 (tools/gpu_run.sh acceptance_rounds): the pre-change arm runs once, at the very end
+    (the last round), the others in all three rounds (order still alternating); each run gets an equal share of
+    the budget left over the runs left (7 runs, not 9); its medians are its one round's."""
     import json
 
     import pytest
@@ -115,27 +116,30 @@ def test_arm_rounds_runs_one_arm_in_the_first_rounds_only(monkeypatch, tmp_path)
 
     monkeypatch.setattr(ab, "run_arm", fake_run_arm)
     monkeypatch.setattr(ab, "plot", lambda *a, **k: None)
-    argv = ["ab_sampling_mask.py", "--arms", "no-mask", "mask", "pre-change", "--rounds", "3", "--lead-arm",
-            "pre-change", "--arm-rounds", "pre-change=1", "--concurrencies", "4", "--budget-s", "140", "--no-prime",
-            "--out-dir", str(tmp_path)]
+    argv = ["ab_sampling_mask.py", "--arms", "no-mask", "mask", "pre-change", "--rounds", "3", "--arm-rounds",
+            "pre-change=1", "--concurrencies", "4", "--budget-s", "140", "--no-prime", "--out-dir", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     ab.main()
     assert [(arm, suffix) for arm, suffix, _ in runs] == [
-        ("pre-change", "_r1"), ("no-mask", "_r1"), ("mask", "_r1"), ("mask", "_r2"), ("no-mask", "_r2"),
-        ("no-mask", "_r3"), ("mask", "_r3")]
+        ("no-mask", "_r1"), ("mask", "_r1"), ("mask", "_r2"), ("no-mask", "_r2"),
+        ("no-mask", "_r3"), ("mask", "_r3"), ("pre-change", "_r3")]
     assert [share for _, _, share in runs] == [pytest.approx(20.0)] * 7  # 140 / 7, then 120 / 6, ...
     result = json.loads((tmp_path / "ab_sampling_mask.json").read_text())
-    pre = next(a for a in result["arms"] if a["arm"] == "pre-change")
-    assert pre["levels"][0]["round_throughputs"] == [101.0]  # its one round
-    mask = next(a for a in result["arms"] if a["arm"] == "mask")
-    assert mask["levels"][0]["round_throughputs"] == [103.0, 104.0, 107.0]
+    assert [a["arm"] for a in result["arms"]] == ["no-mask", "mask", "pre-change"]
+    pre = result["arms"][2]
+    assert pre["levels"][0]["round_throughputs"] == [107.0]  # its one round
+    assert result["arms"][1]["levels"][0]["round_throughputs"] == [102.0, 103.0, 106.0]
     table = (tmp_path / "ab_sampling_mask.md").read_text()
-    # Mask and pre-change over no mask, per round, then the medians of those (pre-change: its one round).
-    assert "- c=4: 1.010 0.990, 0.990 -, 1.009 - [1.009 0.990]" in table
-    assert "| 4 | 105 (1 / 1.0) | 104 (1 / 1.0) | 101 (1 / 1.0) | 0.990 | 0.962 |" in table  # medians
+    # Medians 104 / 103 / 107; per round mask and pre-change over no mask, then the medians of those.
+    assert "| 4 | 104 (1 / 1.0) | 103 (1 / 1.0) | 107 (1 / 1.0) | 0.990 | 1.029 |" in table
+    assert "Medians over 3 rounds (pre-change in 1 of them)" in table
+    assert "- c=4: 1.010 -, 0.990 -, 1.010 1.019 [1.010 1.019]" in table
     for bad, message in ((["--arm-rounds", "pre-change=4"], "is more than --rounds 3"),
                          (["--arm-rounds", "pre-change=0"], "expected ARM=ROUNDS"),
-                         (["--arm-rounds", "mask-ids=1"], "'mask-ids' is not one of --arms")):
+                         (["--arm-rounds", "mask-ids=1"], "'mask-ids' is not one of --arms"),
+                         (["--arm-rounds", "no-mask=2"], "no-mask is the baseline")):
         monkeypatch.setattr(sys, "argv", [*argv, *bad])
+        capsys.readouterr()
         with pytest.raises(SystemExit):
             ab.main()
+        assert message in capsys.readouterr().err
