@@ -1,6 +1,7 @@
 """`vllm serve --return-sampling-mask` with VLLM_SAMPLING_MASK_TEXT=1 (the default: masks formatted as JSON text by
 the engine and spliced into streamed chunks; with VLLM_SAMPLING_MASK_COPY_IDS=1 and =0, the ids copied to the
-engine core's host memory too or not) and =0 (the API server formats the ids): the streamed masks equal
+engine core's host memory too or not, the first with the mask lists built by the output thread) and =0 (the API
+server formats the ids): the streamed masks equal
 those of the same seeded request without streaming (built from the id arrays), and every token is inside its
 mask; the same for streamed chat completions."""
 
@@ -19,9 +20,11 @@ from tests.entrypoints.conftest import RemoteServer, start_server, stop_server
 _FULL: dict[str, dict] = {}
 
 
-# Server modes: the engine's text with its ids copied to the host too, the text alone (the ids stay on the device),
-# the ids alone (VLLM_SAMPLING_MASK_TEXT=0).
-_MODES = {"text": {"VLLM_SAMPLING_MASK_TEXT": "1", "VLLM_SAMPLING_MASK_COPY_IDS": "1"},
+# Server modes: the engine's text with its ids copied to the host too (and the mask lists built by the output
+# thread, VLLM_ENGINE_DEFER_MASK_LISTS=0; the default builds them when the step is sent), the text alone (the ids
+# stay on the device), the ids alone (VLLM_SAMPLING_MASK_TEXT=0).
+_MODES = {"text": {"VLLM_SAMPLING_MASK_TEXT": "1", "VLLM_SAMPLING_MASK_COPY_IDS": "1",
+                   "VLLM_ENGINE_DEFER_MASK_LISTS": "0"},
           "text_only": {"VLLM_SAMPLING_MASK_TEXT": "1", "VLLM_SAMPLING_MASK_COPY_IDS": "0"},
           "ids": {"VLLM_SAMPLING_MASK_TEXT": "0"}}
 

@@ -16,7 +16,8 @@ _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of `device` that the sampling masks' device-to-host copies run on (one per device)."""
+    """The side stream of `device` that a sampling mask's device-to-host copies run on when not given one (one
+    per device; the engine's async output copier gives its own stream, see SamplingMaskTensors.to_cpu_nonblocking)."""
     if device not in _copy_streams:
         _copy_streams[device] = torch.cuda.Stream(device=device)
     return _copy_streams[device]

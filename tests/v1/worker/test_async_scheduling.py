@@ -78,7 +78,14 @@ def test_seeded_logprobs_and_masks_match(deferred: bool, monkeypatch: pytest.Mon
     for flag in (False, True):
         llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=flag,
                   return_sampling_mask=True, logprobs_mode="processed_logprobs")
+        # The runner hands the scheduler its per-row settings every step (else the scheduler falls back to reading
+        # every request, the same routing, slower).
+        scheduler, with_settings = _engine_core(llm).scheduler, []
+        update = scheduler.update_from_output
+        scheduler.update_from_output = lambda so, mo, f=update, seen=with_settings: (
+            seen.append(mo.row_settings is not None), f(so, mo))[1]
         results[flag] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
+        assert with_settings and all(with_settings)
         if flag:  # the token and logprob lists are the output thread's phase; the mask lists are where deferred
             core = _engine_core(llm)
             assert core.worker.model_runner.output_copier.defer_mask_lists is deferred

@@ -10,7 +10,8 @@ oldest step's output: device time and the output thread not hidden behind host w
 the list building handed to the output thread; synchronous scheduling: the wait for the device and the lists
 too), of which `launch.mask` is the sampling mask's share; `mask.copied` counts the steps whose masks found no
 free lending staging slot and were copied out on the host (vllm/v1/worker/async_output.py); `send.masks` is
-the part of `send` that builds deferred mask lists (VLLM_ENGINE_DEFER_MASK_LISTS). On CUDA, with the variable
+the time spent building deferred mask lists (VLLM_ENGINE_DEFER_MASK_LISTS, on by default): part of `send` in the
+engine-core process, outside the phases in process (where the caller takes the outputs). On CUDA, with the variable
 set, timing events around each step's device work add `dev.step` (from its forward to its sampler's last
 operation, compute stream; it also holds any wait for launches inside the step, which eager steps have and
 graphed decode steps hardly do) and `dev.gap` (the compute stream idle before the forward, waiting for the

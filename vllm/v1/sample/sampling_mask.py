@@ -13,8 +13,9 @@ Invariants:
 - packed_mask bit j of byte b is token 8b+j (little bit order, np.packbits(bitorder="little")).
 
 Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where some row overflows K:
-- On the model runner's thread, `to_cpu_nonblocking()` makes a side copy stream wait for the current stream,
-  packs each row's ids back to back there (`pack_rows`: the host's CSR, rows past K left out), copies them and
+- On the model runner's thread, `to_cpu_nonblocking()` makes a side copy stream wait for the current stream
+  (or is given the async output copier's stream, which already waits, and queues its copies there), packs each
+  row's ids back to back there (`pack_rows`: the host's CSR, rows past K left out), copies them and
   `counts` (at most num_reqs x (K+1) int32) into pinned host memory and records a CUDA event. It never copies
   `packed_mask` and never blocks the host.
 - The returned `SamplingMaskCopy` holds the host tensors, the event and a reference to the device
@@ -61,8 +62,8 @@ MAX_COMPACT_SUPPORT = 2048
 
 _BLOCK_SIZE = 1024
 # NOTE: overflow-row gathers run on their own stream: the copy stream is made to wait for the *next* step's
-# compute (to_cpu_nonblocking of step N+1), and a gather for step N queued behind it would stall the output
-# thread for a whole step. The gather needs no wait: its step's `ready` event has already fired on the host.
+# compute (the next step's copies), and a gather for step N queued behind it would stall the output thread for a
+# whole step. The gather needs no wait: its step's `ready` event has already fired on the host.
 _gather_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 

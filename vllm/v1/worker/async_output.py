@@ -1,9 +1,9 @@
 """Async output: a step's sampler outputs go to the host behind the device, and become lists in a thread.
 
 `AsyncOutputCopier.submit` runs right after the sampler is launched: on CUDA it queues the device-to-host
-copies (sampled ids, logprobs) on a side stream that first waits for the compute stream, records an event,
-starts the sampling mask's own non-blocking copy, and hands the list building to a one-thread executor. The
-caller gets an AsyncModelRunnerOutput at once; `get_output()` blocks until the lists are ready.
+copies (sampled ids, logprobs, then the sampling mask's) on a side stream that first waits for the compute
+stream, records an event after them, and hands the list building to a one-thread executor. The caller gets an
+AsyncModelRunnerOutput at once; `get_output()` blocks until the lists are ready.
 
 Invariants:
 - Host buffers are pinned and reused (HostStagingSlot, grown on demand), in two slots used alternately: a slot
@@ -15,9 +15,10 @@ Invariants:
   live until the engine core's ZMQ frames are sent, so a few slots go round; a consumer that keeps its outputs
   keeps its slots, and when all _MAX_LENDING_SLOTS are kept the masks go to the step's alternating slot and are
   copied out as above.
-- With `defer_mask_lists` (VLLM_ENGINE_DEFER_MASK_LISTS) a lending slot's masks are not turned into lists by
-  the output thread: the output carries them as DeferredMasks, built by the engine core when it sends the step
-  (after launching the next ones); the slot stays pending until then. The output thread still waits for their
+- With `defer_mask_lists` (VLLM_ENGINE_DEFER_MASK_LISTS, on in the engine by default) a lending slot's masks
+  (on CPU: any step's) are not turned into lists by the output thread: the output carries them as
+  DeferredMasks, built by the engine core when it sends the step (in process: when the caller takes the
+  outputs), after launching the next ones; the slot stays pending until then. The output thread still waits for their
   copies, and builds at once a step whose rows overflow K (their bitmask rows are read from the device).
 - The device tensors stay referenced until `get_output()` returned, so the allocator cannot reuse their memory
   before the side-stream copies read it.
@@ -169,12 +170,12 @@ class AsyncOutputCopier:
     def _copy_mask(self, sampling_mask: Any, slot: HostStagingSlot | None, stream: torch.cuda.Stream | None
                    ) -> tuple[Any, HostStagingSlot | None]:
         """Start the sampling mask's host copy (on `stream`, the current copy stream, on CUDA) into a free lending
-        slot, else into the step's `slot`; returns the copy and the lending slot it took (pending until the output
-        thread has built the step's lists)."""
+        slot, else into the step's `slot`; returns the copy and the lending slot it took (pending until the step's
+        mask lists are built: by the output thread, or deferred, by the engine core; see the module docstring)."""
         t0 = time.perf_counter()
         lent = self._lending_slot() if slot is not None else None
         if lent is not None:
-            lent.pending = True  # until the output thread has built this step's lists
+            lent.pending = True  # until this step's mask lists are built (or given up)
         try:
             mask_copy = sampling_mask.to_cpu_nonblocking(with_text=self.mask_text, staging=lent or slot,
                                                          with_ids=self.mask_ids, stream=stream)
