@@ -46,6 +46,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -247,22 +248,22 @@ def arm_rounds(args: argparse.Namespace, arm: str) -> int:
     return dict(args.arm_rounds).get(arm, args.rounds)
 
 
-def _arm_rounds_arg(value: str) -> tuple[str, int]:
-    arm, sep, count = value.rpartition("=")
-    if not sep or not arm or not count.isdigit() or int(count) < 1:
-        raise argparse.ArgumentTypeError(f"expected ARM=ROUNDS with ROUNDS >= 1, got {value!r}")
-    return _arm_arg(arm), int(count)
+def _arm_value_arg(name: str, convert: Callable[[str], Any], minimum: float) -> Callable[[str], tuple[str, Any]]:
+    """An argparse type for ARM=NAME (an arm name, which may itself hold "=", then a number >= minimum)."""
+    def parse(value: str) -> tuple[str, Any]:
+        arm, sep, raw = value.rpartition("=")
+        try:
+            number = convert(raw)
+        except ValueError:
+            number = None
+        if not sep or not arm or number is None or not number >= minimum:
+            raise argparse.ArgumentTypeError(f"expected ARM={name} with {name} >= {minimum:g}, got {value!r}")
+        return _arm_arg(arm), number
+    return parse
 
 
-def _arm_timeout_arg(value: str) -> tuple[str, float]:
-    arm, sep, seconds = value.rpartition("=")
-    try:
-        timeout = float(seconds)
-    except ValueError:
-        timeout = float("nan")
-    if not sep or not arm or not timeout >= 5.0:
-        raise argparse.ArgumentTypeError(f"expected ARM=SECONDS with SECONDS >= 5, got {value!r}")
-    return _arm_arg(arm), timeout
+_arm_rounds_arg = _arm_value_arg("ROUNDS", int, 1)
+_arm_timeout_arg = _arm_value_arg("SECONDS", float, 5.0)
 
 
 def make_parser() -> argparse.ArgumentParser:

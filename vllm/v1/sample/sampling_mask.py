@@ -375,8 +375,7 @@ class SamplingMaskCopy:
             in_rows = packed_lengths
             packed_lengths = np.empty_like(in_rows)
             packed_lengths[rank] = in_rows  # row r's length at its place in the packing
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(packed_lengths, out=offsets[1:])
+        offsets = _offsets(packed_lengths)
         if not (lengths < 0).any():
             # NOTE: a view of this step's own pinned buffer or of a lending slot (both kept alive by it), else a
             # copy out of the slot.
@@ -400,9 +399,8 @@ class SamplingMaskCopy:
                 pieces.append(text[starts[r]:starts[r] + n].tobytes())
             else:
                 pieces.append(b"[" + b",".join(str(i).encode() for i in row_ids[r].tolist()) + b"]")
-        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
-        np.cumsum([len(p) for p in pieces], out=offsets[1:])
-        return SamplingMaskText(np.frombuffer(b"".join(pieces), dtype=np.uint8), offsets)
+        return SamplingMaskText(np.frombuffer(b"".join(pieces), dtype=np.uint8),
+                                _offsets(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))))
 
 
 def mask_ids_needed(with_text: bool, vocab_size: int) -> bool:
@@ -443,7 +441,7 @@ def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
-    """[num_reqs + 1] int64: the CSR offsets of rows of `counts` ids."""
+    """[len(counts) + 1] int64: the CSR offsets of rows of `counts` items (ids, or text bytes)."""
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     return offsets

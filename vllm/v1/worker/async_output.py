@@ -50,13 +50,11 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, future: Future[tuple[ModelRunnerOutput, np.ndarray]] | None,
                  output: ModelRunnerOutput | None = None, on_ready: Callable[[np.ndarray], None] | None = None,
-                 keep_alive: Any = None, row_settings: StepRowSettings | None = None) -> None:
+                 keep_alive: Any = None) -> None:
         self._future = future
         self._output = output
         self._on_ready = on_ready
         self._keep_alive = keep_alive
-        # Set on the output when it is taken (it is built in the output thread, these on the caller's).
-        self._row_settings = row_settings
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
@@ -66,7 +64,6 @@ class AsyncModelRunnerOutput:
         if self._output is None:
             assert self._future is not None
             self._output, sampled = self._future.result()
-            self._output.row_settings = self._row_settings
             self._future = None
             self._keep_alive = None
             if self._on_ready is not None:
@@ -157,15 +154,14 @@ class AsyncOutputCopier:
             # device buffers they read once the engine has this output), but leaves the lists and the slot.
             deferred, lent = DeferredMasks(mask_copy, lent, self.timer), None
         # What the lists are built from.
-        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent, device_events, deferred)
+        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent, row_settings, device_events, deferred)
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
             output, sampled_np = _build_output(event, *args, self.timer)
-            output.row_settings = row_settings
             on_ready(sampled_np)
             return AsyncModelRunnerOutput.ready(output)
         future = self._executor.submit(_build_output, event, *args, self.timer)
-        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive, row_settings)
+        return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
 
     def _copy_mask(self, sampling_mask: Any, slot: HostStagingSlot | None, stream: torch.cuda.Stream | None
                    ) -> tuple[Any, HostStagingSlot | None]:
@@ -261,12 +257,13 @@ class DeferredMasks:
 
 
 def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
-                  logprobs: Any, mask_copy: Any, lent: HostStagingSlot | None, device_events: Any = None,
+                  logprobs: Any, mask_copy: Any, lent: HostStagingSlot | None,
+                  row_settings: StepRowSettings | None = None, device_events: Any = None,
                   deferred: DeferredMasks | None = None, timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
     """The output thread's job (or the caller's without one): wait for the copies, then build the lists (the
     masks' only when they are not `deferred`)."""
     try:
-        output = _build_lists(event, req_ids, samples, sampled, logprobs, mask_copy, deferred, timer)
+        output = _build_lists(event, req_ids, samples, sampled, logprobs, mask_copy, deferred, row_settings, timer)
         if device_events is not None and timer is not None:
             _add_device_times(timer, *device_events)
         return output
@@ -298,8 +295,8 @@ def _add_device_times(timer: Any, prev_end: torch.cuda.Event | None, start: torc
 
 
 def _build_lists(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
-                 logprobs: Any, mask_copy: Any, deferred: DeferredMasks | None, timer: Any
-                 ) -> tuple[ModelRunnerOutput, np.ndarray]:
+                 logprobs: Any, mask_copy: Any, deferred: DeferredMasks | None,
+                 row_settings: StepRowSettings | None, timer: Any) -> tuple[ModelRunnerOutput, np.ndarray]:
     t0 = time.perf_counter()
     if event is not None:
         event.synchronize()
@@ -322,7 +319,7 @@ def _build_lists(event: torch.cuda.Event | None, req_ids: list[str], samples: np
         text = mask_copy.text_lists(masks)
     output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
-                               sampling_mask_text=text, pending_masks=deferred)
+                               sampling_mask_text=text, pending_masks=deferred, row_settings=row_settings)
     if timer is not None:
         timer.add("out.event", t1 - t0)
         timer.add("out.lists", time.perf_counter() - t1)

@@ -33,7 +33,8 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.utils import append_sampled
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from vllm.v1.outputs import ModelRunnerOutput, PendingStepMasks, StepLogprobs, StepMasks, step_mask_stats
+from vllm.v1.outputs import (ModelRunnerOutput, PendingStepMasks, StepLogprobs, StepMasks, StepRowSettings,
+                              step_mask_stats)
 from vllm.v1.request import Request, RequestStatus
 
 # NOTE: module constants because an enum member looked up on its class costs ~60 ns, in loops over requests.
@@ -369,12 +370,14 @@ class Scheduler:
         pending_masks = model_runner_output.pending_masks
         rows = np.array(out_rows, dtype=np.int64)
         nums = np.array(out_nums, dtype=np.int64)
-        # NOTE: the runner's per-row settings when it gives them (numpy gathers); else each request's, in Python.
-        settings = model_runner_output.row_settings
+        # NOTE: the runner's per-row settings (numpy gathers at the outputs' rows); outputs built by hand (tests,
+        # benchmarks/host_step.py) have none, and take each request's, aligned with the outputs.
+        settings, at = model_runner_output.row_settings, rows
+        if settings is None:
+            settings, at = _request_row_settings(out_reqs), np.arange(len(out_reqs))
         step_logprobs = step_masks = None
         if logprobs is not None:
-            out_index = np.flatnonzero(settings.wants_logprobs[rows] if settings is not None else
-                                       np.array([r.wants_logprobs for r in out_reqs], dtype=bool))
+            out_index = np.flatnonzero(settings.wants_logprobs[at])
             out_index = out_index.astype(np.int64, copy=False)
             if len(out_index):
                 step_logprobs = StepLogprobs(logprobs, out_index,
@@ -383,12 +386,10 @@ class Scheduler:
         mask_sizes: list[int] = []
         num_overflow_rows = 0
         if sampling_masks is not None or pending_masks is not None:
-            out_index = np.flatnonzero(settings.wants_mask[rows] if settings is not None else
-                                       np.array([r.wants_sampling_mask for r in out_reqs], dtype=bool))
+            out_index = np.flatnonzero(settings.wants_mask[at])
             out_index = out_index.astype(np.int64, copy=False)
             if len(out_index):
-                top_k = (settings.top_k[rows[out_index]].astype(np.int64) if settings is not None else
-                         np.array([out_reqs[r].sampling_params.top_k for r in out_index.tolist()], dtype=np.int64))
+                top_k = settings.top_k[at[out_index]].astype(np.int64)
                 cu = None if sampling_masks is None else sampling_masks.cu_num_generated_tokens
                 positions = (out_index, _first_positions(cu, rows[out_index]), nums[out_index])
                 if sampling_masks is None:
@@ -409,6 +410,13 @@ class Scheduler:
             sampling_mask_sizes=sampling_mask_sizes if sampling_mask_sizes is not None else [],
             num_sampling_mask_overflow_rows=num_sampling_mask_overflow_rows,
         )
+
+
+def _request_row_settings(reqs: list[Request]) -> StepRowSettings:
+    """StepRowSettings read from each request (one row per request), for runner outputs built without them."""
+    return StepRowSettings(np.array([r.wants_logprobs for r in reqs], dtype=bool),
+                           np.array([r.wants_sampling_mask for r in reqs], dtype=bool),
+                           np.array([r.sampling_params.top_k for r in reqs], dtype=np.int64))
 
 
 def _first_positions(cu_num_generated_tokens: list[int] | np.ndarray | None, rows: np.ndarray) -> np.ndarray:
