@@ -36,7 +36,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core_proc import EngineCoreProc
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText, StepRowSettings
 from vllm.v1.request import Request
-from vllm.v1.sample.sampling_mask import group_rank
+from vllm.v1.sample.sampling_mask import group_order
 from vllm.v1.serial_utils import MsgpackEncoder
 
 VOCAB_SIZE = 151_936
@@ -81,7 +81,7 @@ def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.rando
         order = np.arange(n)
         rank = None
         if client_of is not None:
-            rank = group_rank(np.array([client_of[r] for r in req_ids]))
+            rank = group_order(np.array([client_of[r] for r in req_ids]))[1]
             order = np.argsort(rank)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum([len(rows[r]) for r in order], out=offsets[1:])

@@ -204,6 +204,29 @@ class StepMasks(NamedTuple):
 
     select = StepLogprobs.select
 
+    def text_shares(self, order: np.ndarray, bounds: list[int], slot: np.ndarray) -> list[StepTextShare] | None:
+        """Every client's share of the step's JSON texts, cut in one pass over the step (what `select(...)
+        .gather(text=True)` gives per client, without its dozen numpy calls per client), or None where the step
+        is not of the shape this needs: one position per carried output, texts packed with each client's
+        positions as one run in its output order (an API server engine's decode step: the device packs the
+        rows by API server, SamplingMaskText.rank); the caller then selects and gathers per client.
+
+        order: the carried outputs (indices into out_index) sorted by client, stably; client c's are
+        order[bounds[c]:bounds[c + 1]]. slot: [len(out_index)] each carried output's index among its client's
+        outputs."""
+        texts, n = self.texts, len(self.out_index)
+        if texts is None or texts.offsets is None or not n or not bool((self.num_pos == 1).all()):
+            return None
+        packed = texts.packed_rows(self.first_pos[order])  # the packed row of each position, by client
+        if int(packed[0]) != 0 or not bool((np.diff(packed) == 1).all()):
+            return None  # e.g. a row that carries no mask between two that do, or outputs out of row order
+        offsets = texts.offsets
+        sizes = np.diff(offsets[:n + 1])
+        cut = offsets[bounds].tolist()
+        return [StepTextShare(slot[order[s:e]], self.num_pos[s:e], offsets[s:e] - cut[c], sizes[s:e],
+                              texts.text[cut[c]:cut[c + 1]])
+                for c, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
+
     def materialize(self, outputs: list) -> None:
         """Give each output its own slice (new_sampling_mask / new_sampling_mask_text), as the scheduler did; with
         ids-free lists (token_ids None) the text only, as the wire carries it."""
@@ -218,12 +241,25 @@ class StepMasks(NamedTuple):
                     texts.text, texts.offsets, None, int(texts.packed_rows(first)), num))
 
 
+class StepTextShare(NamedTuple):
+    """One client's share of a step's mask texts (StepMasks.text_shares), as pack_step_arrays sends it: the
+    client's outputs that carry masks, positions per output, each position's start and size in `data`, and
+    `data`, a view of the step's text from the share's first byte to its last."""
+
+    out_index: np.ndarray
+    num_pos: np.ndarray
+    starts: np.ndarray
+    sizes: np.ndarray
+    data: np.ndarray
+
+
 def step_mask_stats(step_masks: StepMasks, top_k: np.ndarray) -> tuple[list[int], int]:
     """The sizes of the carried positions' masks, and how many exceed their request's top_k (top_k: [len(out_index)]
     int64, one per carried output; <= 0: no top-k)."""
     sizes = step_masks.sizes()
-    top_k = np.repeat(top_k, step_masks.num_pos)
-    return sizes.tolist(), int(((top_k > 0) & (sizes > top_k)).sum())
+    if len(top_k) != len(sizes):
+        top_k = np.repeat(top_k, step_masks.num_pos)
+    return sizes.tolist(), int(np.count_nonzero((top_k > 0) & (sizes > top_k)))
 
 
 class PendingStepMasks(NamedTuple):

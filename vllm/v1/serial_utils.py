@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.outputs import LogprobsLists, SamplingMaskLists, SamplingMaskText
+from vllm.v1.outputs import LogprobsLists, SamplingMaskLists, SamplingMaskText, StepTextShare
 
 NDARRAY_EXT_CODE = 1
 # An ndarray whose bytes travel in a frame of their own (MsgpackEncoder.encode_frames); payload: a msgpack
@@ -205,7 +205,10 @@ def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
     # the text into its responses and parses ids only if asked (SamplingMask), so the ids would be ~40% more
     # bytes per step for every API server to receive and cut for nothing.
     no_csr: tuple[Any, ...] = ([], [], None, None, None)
-    if step_masks is not None:
+    if isinstance(step_masks, StepTextShare):  # one client's texts, already cut (EngineCoreProc.send_outputs)
+        mask_csr, text_csr = no_csr, (step_masks.out_index.tolist(), step_masks.num_pos.tolist(),
+                                      *step_masks[2:])
+    elif step_masks is not None:
         indices, positions = step_masks.out_index.tolist(), step_masks.num_pos.tolist()
         if step_masks.texts is not None:
             mask_csr, text_csr = no_csr, (indices, positions, *step_masks.gather(text=True))

@@ -114,15 +114,23 @@ class EngineCoreProc:
         # Each client's share of the step-level rows, renumbered to its own outputs.
         out_client_np, out_slot_np = np.array(out_client, dtype=np.int64), np.array(out_slot, dtype=np.int64)
         shares: list[dict[str, Any]] = [{} for _ in self.output_sockets]
+        split: tuple[Any, ...] | None = None
         for name in ("step_logprobs", "step_masks"):
             step_rows = getattr(outputs, name)
             if step_rows is None:
                 continue
-            row_client, row_slot = out_client_np[step_rows.out_index], out_slot_np[step_rows.out_index]
+            # NOTE: the masks' rows are mostly the logprobs' (every output that wants either): split once then.
+            if split is None or not np.array_equal(split[0], step_rows.out_index):
+                split = (step_rows.out_index, *_split_by_client(out_client_np[step_rows.out_index],
+                                                                len(shares)), out_slot_np[step_rows.out_index])
+            _, order, bounds, row_slot = split
+            # NOTE: the masks' texts of a decode step in one pass (StepMasks.text_shares), else per client.
+            text_shares = step_rows.text_shares(order, bounds, row_slot) if name == "step_masks" else None
             for client, share in enumerate(shares):
-                rows = np.flatnonzero(row_client == client)
-                if len(rows):
-                    share[name] = step_rows.select(rows, row_slot[rows])
+                s, e = bounds[client], bounds[client + 1]
+                if s < e:
+                    share[name] = text_shares[client] if text_shares is not None else \
+                        step_rows.select(order[s:e], row_slot[order[s:e]])
         for client, group in enumerate(groups):
             if group or finished[client] or outputs.scheduler_stats is not None:
                 self.send(OUTPUTS, EngineCoreOutputs(outputs=group, scheduler_stats=outputs.scheduler_stats,
@@ -254,6 +262,13 @@ class EngineCoreProc:
         for socket in self.output_sockets:
             socket.close(linger=2000)
         self.ctx.term()
+
+
+def _split_by_client(row_client: np.ndarray, num_clients: int) -> tuple[np.ndarray, list[int]]:
+    """(order, bounds): the rows sorted by client, stably, and client c's rows order[bounds[c]:bounds[c + 1]]
+    (ascending), in a few numpy calls per step rather than two per client."""
+    order = np.argsort(row_client, kind="stable")
+    return order, [0, *np.cumsum(np.bincount(row_client, minlength=num_clients)).tolist()]
 
 
 def _connect_push(ctx: zmq.Context, address: str) -> zmq.Socket:

@@ -364,19 +364,18 @@ class SamplingMaskCopy:
         if self.text is None or self.text_lengths is None:
             return None
         self.wait()
-        lengths = self.text_lengths.numpy().astype(np.int64)  # [R]
+        lengths = self.text_lengths.numpy()  # [R] int32
         text = self._host_array("text", self.text)
         # Row r's text is row rank[r] of the device's packing (the rows of a group together, as json_rows_packed
         # packed them); rows left to the host (-1) took no room there.
+        host_formatted = len(lengths) > 0 and int(lengths.min()) < 0
+        packed_lengths = np.maximum(lengths, 0) if host_formatted else lengths
         rank = None
-        packed_lengths = np.maximum(lengths, 0)
         if self.text_group is not None:
-            rank = group_rank(self.text_group.numpy())
-            in_rows = packed_lengths
-            packed_lengths = np.empty_like(in_rows)
-            packed_lengths[rank] = in_rows  # row r's length at its place in the packing
+            order, rank = group_order(self.text_group.numpy())
+            packed_lengths = packed_lengths[order]  # row r's length at its place in the packing
         offsets = _offsets(packed_lengths)
-        if not (lengths < 0).any():
+        if not host_formatted:
             # NOTE: a view of this step's own pinned buffer or of a lending slot (both kept alive by it), else a
             # copy out of the slot.
             data = text[:offsets[-1]]
@@ -410,13 +409,13 @@ def mask_ids_needed(with_text: bool, vocab_size: int) -> bool:
     return not with_text or vocab_size > 10 ** MAX_DIGITS
 
 
-def group_rank(group: np.ndarray) -> np.ndarray:
-    """[R] int64: each row's place in a packing of the rows by group (groups ascending, row order within one),
-    the order json_rows_packed writes with a group."""
+def group_order(group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, rank), [R] int64 each: the rows of a packing by group (groups ascending, row order within one),
+    the order json_rows_packed writes with a group, and each row's place in it (order's inverse)."""
     order = np.argsort(group, kind="stable")
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
-    return rank
+    return order, rank
 
 
 def _overflow_bitmask_rows(packed_mask: torch.Tensor, rows: np.ndarray,
