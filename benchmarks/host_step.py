@@ -81,8 +81,7 @@ def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.rando
         order = np.arange(n)
         rank = None
         if client_of is not None:
-            rank = group_order(np.array([client_of[r] for r in req_ids]))[1]
-            order = np.argsort(rank)
+            order, rank = group_order(np.array([client_of[r] for r in req_ids]))
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum([len(rows[r]) for r in order], out=offsets[1:])
         texts = SamplingMaskText(np.frombuffer(b"".join(rows[r] for r in order), dtype=np.uint8), offsets, None, rank)

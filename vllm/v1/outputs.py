@@ -223,7 +223,7 @@ class StepMasks(NamedTuple):
         offsets = texts.offsets
         sizes = np.diff(offsets[:n + 1])
         cut = offsets[bounds].tolist()
-        return [StepTextShare(slot[order[s:e]], self.num_pos[s:e], offsets[s:e] - cut[c], sizes[s:e],
+        return [StepTextShare(slot[order[s:e]], self.num_pos[order[s:e]], offsets[s:e] - cut[c], sizes[s:e],
                               texts.text[cut[c]:cut[c + 1]])
                 for c, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
 
@@ -257,7 +257,7 @@ def step_mask_stats(step_masks: StepMasks, top_k: np.ndarray) -> tuple[list[int]
     """The sizes of the carried positions' masks, and how many exceed their request's top_k (top_k: [len(out_index)]
     int64, one per carried output; <= 0: no top-k)."""
     sizes = step_masks.sizes()
-    if len(top_k) != len(sizes):
+    if not bool((step_masks.num_pos == 1).all()):
         top_k = np.repeat(top_k, step_masks.num_pos)
     return sizes.tolist(), int(np.count_nonzero((top_k > 0) & (sizes > top_k)))
 

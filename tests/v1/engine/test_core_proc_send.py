@@ -86,7 +86,8 @@ def _step(n: int, client: list[int], wants_mask: list[bool], out_rows: list[int]
     return outputs, texts
 
 
-@pytest.mark.parametrize("case", ["decode", "row-without-mask", "outputs-out-of-row-order"])
+@pytest.mark.parametrize("case", ["decode", "row-without-mask", "first-row-without-mask", "outputs-out-of-row-order",
+                                  "client-without-outputs", "client-without-masks", "padding-rows"])
 def test_send_outputs_cuts_each_clients_share(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """EngineCoreProc.send_outputs with several clients: each client gets exactly its requests' outputs, logprobs
     and mask texts (against the rows built here). A decode step (every output carries a mask, outputs in row
@@ -96,8 +97,18 @@ def test_send_outputs_cuts_each_clients_share(monkeypatch: pytest.MonkeyPatch, c
     client = [1, 0, 2, 1, 1, 0, 2, 2, 0, 1, 0]
     wants_mask = [True] * n
     out_rows = list(range(n))
+    one_pass = case in ("decode", "client-without-outputs", "client-without-masks", "padding-rows")
     if case == "row-without-mask":
         wants_mask[4] = False
+    elif case == "first-row-without-mask":  # the packing's first row (client 0's first) carries no mask
+        wants_mask[1] = False
+    elif case == "client-without-outputs":  # the last client owns no request this step
+        num_clients = 4
+    elif case == "client-without-masks":  # its outputs carry logprobs only
+        wants_mask = [c != 2 for c in client]
+    elif case == "padding-rows":  # the runner's rows past the outputs (a padded graph step) pack after them
+        out_rows = list(range(n - 2))
+        client[n - 2:] = [3, 3]  # MASK_GROUP_PAD-like: a group after every real row's
     elif case == "outputs-out-of-row-order":
         out_rows = [0, 1, 2, 4, 3] + list(range(5, n))  # rows 3 and 4 are both client 1's
     calls: list[bool] = []
@@ -120,14 +131,17 @@ def test_send_outputs_cuts_each_clients_share(monkeypatch: pytest.MonkeyPatch, c
         return [s.messages for s in proc.output_sockets]
 
     fast, reference = send_step(True), send_step(False)
-    assert calls == [case == "decode"]
+    assert calls == [one_pass]
     assert fast == reference
     _, texts = _step(n, client, wants_mask, out_rows)
     decoder = MsgpackDecoder(EngineCoreOutputs)
     for c, messages in enumerate(fast):
+        mine = [r for r in out_rows if client[r] == c]
+        if not mine:  # a client with nothing this step (no outputs, no stats) gets no message
+            assert messages == []
+            continue
         (frames,) = messages
         got = decoder.decode(frames[1], frames[2:])
-        mine = [r for r in out_rows if client[r] == c]
         assert [o.request_id for o in got.outputs] == [f"r{r}" for r in mine]
         for o, r in zip(got.outputs, mine):
             assert o.new_logprobs[0] == [[r, r + 1]] and o.new_logprobs[2] == [r % 5 + 1]

@@ -72,8 +72,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # arrays; None in memory on both sides.
     step_arrays: Any = None
     # Engine core only: the step's logprobs and sampling masks with each output's positions
-    # (vllm.v1.outputs.StepLogprobs / StepMasks), in place of per-output slices; packed into step_arrays on the
-    # wire, or `materialize`d for in-process use (`materialize_step_rows`).
+    # (vllm.v1.outputs.StepLogprobs / StepMasks; before `resolve_step_rows`, a PendingStepMasks; in one API
+    # server's copy of a step, possibly its StepTextShare), in place of per-output slices; packed into step_arrays
+    # on the wire, or `materialize`d for in-process use (`materialize_step_rows`).
     step_logprobs: Any = None
     step_masks: Any = None
 
