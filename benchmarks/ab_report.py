@@ -150,8 +150,22 @@ def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         combined.append({"arm": first["arm"], "error": errors[0] if errors else None, "levels": levels,
                          "step_timing": [w for a in runs for w in a.get("step_timing") or []],
                          "gc": [w for a in runs for w in a.get("gc") or []],
-                         "server_logs": [a["server_log"] for a in runs]})
+                         "server_logs": [a["server_log"] for a in runs],
+                         "host_loop_ms": [a.get("host_loop_ms") for a in runs]})
     return combined
+
+
+def _host_speed_lines(rounds: list[list[dict[str, Any]]]) -> list[str]:
+    """The host's Python speed before each arm of each round (ab_sampling_mask.host_loop_ms), if recorded."""
+    per_round = [", ".join(f"{a['arm']} {a['host_loop_ms']:.1f}" for a in r if a.get("host_loop_ms") is not None)
+                 for r in rounds]
+    if not any(per_round):
+        return []
+    lines = ["", "Host speed before each arm (a fixed Python loop, ms, best of three; lower is faster; the `info` "
+                 "stage's loop):", ""]
+    if len(rounds) == 1:
+        return lines + [f"- {per_round[0]}"]
+    return lines + [f"- round {i + 1}: {text or '-'}" for i, text in enumerate(per_round)]
 
 
 def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
@@ -211,6 +225,7 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
                         paired[n].append(value)
             medians = " ".join(f"{statistics.median(v):.3f}" if v else "-" for v in paired.values())
             lines.append(f"- c={c}: " + ", ".join(per_round) + f" [{medians}]")
+    lines += _host_speed_lines(rounds if rounds is not None and len(rounds) > 1 else [arms])
     busiest = [(a["arm"], _busiest(a)) for a in arms]
     if any(w is not None for _, w in busiest):
         lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "

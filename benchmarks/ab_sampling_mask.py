@@ -29,6 +29,8 @@ Invariants:
   `--lead-arm ARM` runs ARM first in every round and alternates the others after it (C A B, C B A): an arm that
   leaves the machine slower for the next one (the pre-change arm did, on 2026-12-03) then precedes each of them
   once, where the plain reversal (A B C, C B A) puts it before B only.
+- Before each arm's server starts, the host's single-thread Python speed is timed (`host_loop_ms`, ~0.2-0.4 s):
+  the report lists it per round, so that a round on a slower host reads as such.
 - Before the first arm, one server of that arm is started and stopped (`prime_start`, counted in --budget-s; off
   with --no-prime): on a fresh machine the first start compiles the Triton kernels and fills the caches (35-40 s
   against 15-20), which would otherwise come out of the first arm's share and cut its levels short.
@@ -46,6 +48,7 @@ import socket
 import subprocess
 import sys
 import time
+import timeit
 from collections.abc import Callable
 from typing import Any
 
@@ -203,11 +206,20 @@ def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeou
     return benchmark_serving.make_parser().parse_args(argv)
 
 
+def host_loop_ms() -> float:
+    """The host's single-thread Python speed now: the best of three runs of the fixed loop that tools/gpu_run.sh's
+    `info` stage times (ms; 43 and 84 ms on two H200 hosts of 2026-12-04, whose engine cores ran the same step
+    ~30% apart). Taken before each arm's server starts, so that a round on a slower host can be read, not inferred."""
+    return 1e3 * min(timeit.repeat("sum(i * i for i in range(1000000))", number=1, repeat=3))
+
+
 def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix: str = "") -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(args.out_dir, f"server_{arm_file_name(arm)}{log_suffix}.log")
-    result: dict[str, Any] = {"arm": arm, "error": None, "levels": [], "server_log": log_path}
+    result: dict[str, Any] = {"arm": arm, "error": None, "levels": [], "server_log": log_path,
+                              "host_loop_ms": host_loop_ms()}
+    log(f"{arm}: host Python loop {result['host_loop_ms']:.1f} ms")
     t0 = time.monotonic()
     proc = start_server(args, arm, port, log_path)
     try:

@@ -68,6 +68,21 @@ def test_rounds_are_combined_into_medians_with_each_rounds_ratios() -> None:
     # Steady-state medians (throughput + 10 here): no mask 120 and mask 100 at c=4.
     assert "Steady state" in table and "| 4 | 120 | 100 | 0.833 |" in table
     assert report.combine_rounds(rounds[:1]) is rounds[0]
+    assert "Host speed" not in table  # none recorded
+
+
+def test_host_speed_before_each_arm_is_listed_per_round() -> None:
+    """ab_sampling_mask.run_arm records the host's Python loop time before each arm: the report lists it per round
+    (a round on a slower host then reads as such), or once for a single round."""
+    rounds = [[{**_arm("no-mask", {4: 100.0}), "host_loop_ms": 43.04},
+               {**_arm("mask", {4: 90.0}), "host_loop_ms": 84.3}],
+              [{**_arm("no-mask", {4: 110.0}), "host_loop_ms": 44.0}, _arm("mask", {4: 100.0})]]
+    arms = report.combine_rounds(rounds)
+    assert arms[1]["host_loop_ms"] == [84.3, None]
+    table = report.markdown(arms, [4], rounds)
+    assert "- round 1: no-mask 43.0, mask 84.3\n- round 2: no-mask 44.0" in table
+    single = report.markdown(rounds[0], [4])
+    assert "Host speed before each arm" in single and "- no-mask 43.0, mask 84.3" in single
 
 
 def test_gc_pause_windows_are_parsed_and_tabled(tmp_path) -> None:  # noqa: ANN001
