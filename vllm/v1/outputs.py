@@ -257,8 +257,7 @@ def step_mask_stats(step_masks: StepMasks, top_k: np.ndarray) -> tuple[list[int]
     """The sizes of the carried positions' masks, and how many exceed their request's top_k (top_k: [len(out_index)]
     int64, one per carried output; <= 0: no top-k)."""
     sizes = step_masks.sizes()
-    if not bool((step_masks.num_pos == 1).all()):
-        top_k = np.repeat(top_k, step_masks.num_pos)
+    top_k = np.repeat(top_k, step_masks.num_pos)
     return sizes.tolist(), int(np.count_nonzero((top_k > 0) & (sizes > top_k)))
 
 

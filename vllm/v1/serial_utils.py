@@ -207,7 +207,7 @@ def pack_step_arrays(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
     no_csr: tuple[Any, ...] = ([], [], None, None, None)
     if isinstance(step_masks, StepTextShare):  # one client's texts, already cut (EngineCoreProc.send_outputs)
         mask_csr, text_csr = no_csr, (step_masks.out_index.tolist(), step_masks.num_pos.tolist(),
-                                      *step_masks[2:])
+                                      step_masks.starts, step_masks.sizes, step_masks.data)
     elif step_masks is not None:
         indices, positions = step_masks.out_index.tolist(), step_masks.num_pos.tolist()
         if step_masks.texts is not None:
