@@ -56,15 +56,19 @@ class RequestOutputCollector:
     when the consumer takes it (RequestState holds their logprobs, masks and text until then). A server that
     falls behind then does no per-step output building and merging at all for its streams, the work that
     otherwise grows with the number of steps each chunk merges. An error drops such unbuilt steps.
+
+    One consumer at a time waits on it (`get`, or `wait` as OutputStream does).
     """
 
-    __slots__ = ("output_kind", "_output", "_error", "_ready", "_state", "_step_ids", "_finish", "_closed")
+    __slots__ = ("output_kind", "_output", "_error", "_waiter", "_state", "_step_ids", "_finish", "_closed")
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.output_kind = output_kind
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
-        self._ready = asyncio.Event()
+        # The waiting consumer's future, done by the next put or close. NOTE: a bare future rather than an
+        # asyncio.Event: a streamed token's put and wake-up are then no Python-level Event.set / Event.wait calls.
+        self._waiter: asyncio.Future | None = None
         # put_step: the request whose steps are pending, their kept token ids, and the last (finish, stop) reason.
         self._state: RequestState | None = None
         self._step_ids: list[int] = []
@@ -81,7 +85,11 @@ class RequestOutputCollector:
         else:
             self._step_ids.extend(token_ids)
         self._finish = (finish_reason, stop_reason)
-        self._ready.set()
+        waiter = self._waiter  # _wake, inlined: once per streamed token
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
@@ -93,7 +101,14 @@ class RequestOutputCollector:
             self._output = item
         else:
             merge_delta_outputs(self._output, item)
-        self._ready.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # cancelled with its consumer
+                waiter.set_result(None)
 
     def empty(self) -> bool:
         return self._output is None and self._state is None and self._error is None
@@ -104,7 +119,7 @@ class RequestOutputCollector:
         waiting, or any later, returns None."""
         self._output, self._state, self._step_ids = None, None, []
         self._closed = True
-        self._ready.set()
+        self._wake()
 
     def get_nowait(self) -> RequestOutput | BaseException:
         """The pending output (or, once none is pending, the error); raises asyncio.QueueEmpty if neither."""
@@ -119,15 +134,25 @@ class RequestOutputCollector:
             output = self._error
         else:
             raise asyncio.QueueEmpty
-        if self.empty():
-            self._ready.clear()
         return output
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def wait(self) -> asyncio.Future:
+        """A future done at the next put or close (await it while `empty()` and not `closed`). One waiter at a
+        time: a second one while the first still waits is refused."""
+        if self._waiter is not None and not self._waiter.done():
+            raise RuntimeError("RequestOutputCollector: another task is already waiting for this request's output.")
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        return waiter
 
     async def get(self) -> RequestOutput | BaseException | None:
         while self.empty():
             if self._closed:
                 return None
-            await self._ready.wait()
+            await self.wait()
         return self.get_nowait()
 
 
