@@ -175,10 +175,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     first = not started[index]
                     started[index] = True
                     prefix = (out.prompt or "") if first and request.echo else ""
-                    choice = self._choice(request, index, out, c, offsets[index], prefix, first, raw_mask=True)
-                    offsets[index] += len(choice["text"])
+                    text_offset = offsets[index]
+                    offsets[index] += len(prefix) + len(c.text)
                     completion_tokens += len(c.token_ids)
-                    yield sse(self._chunk(base_id, created, model, [choice]))
+                    # NOTE: no local keeps the choice while the stream waits for its next output: its mask text
+                    # (a ~3.4 KB copy per token) would stay alive in every waiting stream, and each new chunk be
+                    # built in memory that is no longer in cache.
+                    yield sse(self._chunk(base_id, created, model, [
+                        self._choice(request, index, out, c, text_offset, prefix, first, raw_mask=True)]))
         finally:
             if single:
                 gens[0].close()
