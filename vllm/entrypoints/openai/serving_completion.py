@@ -164,6 +164,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # chunk for nothing; its close on the way out is done here.
         single = len(gens) == 1
         outputs: Any = gens[0] if single else merge_streams(gens)
+        n, echo = request.n, request.echo
         try:
             async for item in outputs:
                 i, out = (0, item) if single else item
@@ -171,10 +172,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_counted[i] = True
                     prompt_tokens += len(out.prompt_token_ids or [])
                 for c in out.outputs:
-                    index = i * request.n + c.index
+                    index = i * n + c.index
                     first = not started[index]
                     started[index] = True
-                    prefix = (out.prompt or "") if first and request.echo else ""
+                    prefix = (out.prompt or "") if first and echo else ""
                     text_offset = offsets[index]
                     offsets[index] += len(prefix) + len(c.text)
                     completion_tokens += len(c.token_ids)

@@ -36,6 +36,9 @@ from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
 
 
+_STOP = FinishReason.STOP  # a module constant: no enum attribute lookup per output
+
+
 class OutputQueue(Protocol):
     """What AsyncLLM hands in per request (an asyncio.Queue or a collector with the same method)."""
 
@@ -212,6 +215,9 @@ class RequestState:
         self.prompt_token_ids = request.prompt_token_ids
         self.params: SamplingParams = request.sampling_params
         self.output_kind = self.params.output_kind
+        # NOTE: the kind's tests once, not an enum lookup and comparison per step.
+        self.delta = self.output_kind == RequestOutputKind.DELTA
+        self.final_only = self.output_kind == RequestOutputKind.FINAL_ONLY
         self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor.from_new_request(tokenizer, self.params)
         # Each output token's mask (DELTA: per token not handed out yet) as an ascending int32 id array and/or as
@@ -224,7 +230,7 @@ class RequestState:
         self.has_masks = False
         self.queue = queue
         # A streamed request of its own into a collector: its steps go to the queue unbuilt (put_step).
-        self.steps_to_queue = (self.output_kind == RequestOutputKind.DELTA and parent is None
+        self.steps_to_queue = (self.delta and parent is None
                                and isinstance(queue, RequestOutputCollector))
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
@@ -279,9 +285,9 @@ class RequestState:
                                stop_reason: int | str | None) -> CompletionOutput | None:
         """This step's CompletionOutput (None for FINAL_ONLY until the request finishes)."""
         finished = finish_reason is not None
-        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if self.final_only and not finished:
             return None
-        delta = self.output_kind == RequestOutputKind.DELTA
+        delta = self.delta
         num_new = len(new_token_ids)
         text = self.detokenizer.get_next_output_text(finished, delta)
         lp = self.logprobs_processor
@@ -434,7 +440,7 @@ class OutputProcessor:
             new_token_ids = eco.new_token_ids
             detokenizer = state.detokenizer
             num_before = detokenizer.num_output_tokens
-            stop_string = detokenizer.update(new_token_ids, finish_reason == FinishReason.STOP,
+            stop_string = detokenizer.update(new_token_ids, finish_reason == _STOP,
                                              finish_reason is not None)
             if stop_string is not None:
                 finish_reason = FinishReason.STOP
