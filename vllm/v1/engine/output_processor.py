@@ -263,13 +263,14 @@ class RequestState:
                 raise RuntimeError(f"Request {self.request_id}: sampling masks started after {num_before} tokens.")
             self.has_masks = True
             self.sampling_masks, self.sampling_mask_texts = [], []
-        ids = ids[:num_kept] if ids is not None else None
-        texts = texts[:num_kept] if texts is not None else None
+        if num_kept < num_new:
+            ids = ids[:num_kept] if ids is not None else None
+            texts = texts[:num_kept] if texts is not None else None
         if ids is None and self.sampling_mask_texts is None:
             ids = [ids_from_json_text(t) for t in texts]  # type: ignore[union-attr]
         if texts is None and self.sampling_masks is None:
             texts = [np.frombuffer(json_text_of(a), dtype=np.uint8) for a in ids]  # type: ignore[union-attr]
-        if self.output_kind != RequestOutputKind.DELTA:
+        if not self.delta:
             ids = [a.copy() for a in ids] if ids is not None else None
             texts = [t.copy() for t in texts] if texts is not None else None
         if ids is None or self.sampling_masks is None:
@@ -307,7 +308,8 @@ class RequestState:
             else:
                 masks = list(masks) if masks is not None else None
                 texts = list(texts) if texts is not None else None
-            sampling_mask = SamplingMask(arrays=masks, texts=texts)
+            # The lists are this output's own (handed out, or copied just above).
+            sampling_mask = SamplingMask.of_lists(masks, texts)
         # NOTE: positional (index, text, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason,
         # sampling_mask): half the cost of keywords, once per streamed chunk.
         return CompletionOutput(self.index, text, token_ids, lp.cumulative_logprob, logprobs,
