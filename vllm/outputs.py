@@ -46,6 +46,14 @@ class SamplingMask:
         if self._texts is not None and self._arrays is not None and len(self._texts) != len(self._arrays):
             raise ValueError("SamplingMask texts and arrays must have one entry per token each.")
 
+    @classmethod
+    def of_lists(cls, arrays: list[np.ndarray] | None, texts: list[np.ndarray] | None) -> SamplingMask:
+        """`SamplingMask(arrays=arrays, texts=texts)` that takes the lists as they are, without copying or checking
+        them (once per streamed chunk): the caller gives them up; one at least is given, of one entry per token."""
+        mask = cls.__new__(cls)
+        mask._arrays, mask._texts, mask._token_ids = arrays, texts, None
+        return mask
+
     def json_text(self) -> bytes | None:
         """`token_ids` as JSON (a list of lists, no spaces) from the engine's text, or None without it."""
         if self._texts is None:

@@ -335,6 +335,30 @@ def test_collector_cumulative_supersedes_and_error_comes_last() -> None:
     assert asyncio.run(waits_for_put()).outputs[0].token_ids == [3]
 
 
+def test_collector_wakes_its_one_waiter_on_close_and_after_a_cancel() -> None:
+    """close() wakes a waiting get() (None); a waiter cancelled leaves the collector usable; a second task
+    waiting while one waits is refused."""
+    import asyncio
+
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    async def scenario() -> None:
+        collector = RequestOutputCollector(RequestOutputKind.DELTA)
+        first = asyncio.create_task(collector.get())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="already waiting"):
+            await collector.get()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        again = asyncio.create_task(collector.get())
+        await asyncio.sleep(0)
+        collector.close()
+        assert await again is None
+
+    asyncio.run(scenario())
+
+
 def test_final_only_masks_do_not_keep_the_step_message(tok: Tokenizer) -> None:
     """A request that returns its masks when it finishes copies its rows: the step's message buffer (here a
     shared array, changed after the step as a reused buffer would be) is neither kept nor read again."""

@@ -156,23 +156,39 @@ class OpenAIServingCompletion(OpenAIServing):
         num_choices = len(gens) * request.n
         created = int(time.time())
         offsets = [0] * num_choices
-        usage = UsageInfo()
+        # NOTE: plain ints, not a UsageInfo (a pydantic model's __setattr__ on every chunk).
+        prompt_tokens = completion_tokens = 0
         prompt_counted = [False] * len(gens)
         started = [False] * num_choices
-        async for i, out in merge_streams(gens):
-            if not prompt_counted[i]:
-                prompt_counted[i] = True
-                usage.prompt_tokens += len(out.prompt_token_ids or [])
-            for c in out.outputs:
-                index = i * request.n + c.index
-                first = not started[index]
-                started[index] = True
-                prefix = (out.prompt or "") if first and request.echo else ""
-                choice = self._choice(request, index, out, c, offsets[index], prefix, first, raw_mask=True)
-                offsets[index] += len(choice["text"])
-                usage.completion_tokens += len(c.token_ids)
-                yield sse(self._chunk(base_id, created, model, [choice]))
+        # NOTE: one stream (a single prompt) is read directly: merge_streams would add an async generator step per
+        # chunk for nothing; its close on the way out is done here.
+        single = len(gens) == 1
+        outputs: Any = gens[0] if single else merge_streams(gens)
+        n, echo = request.n, request.echo
+        try:
+            async for item in outputs:
+                i, out = (0, item) if single else item
+                if not prompt_counted[i]:
+                    prompt_counted[i] = True
+                    prompt_tokens += len(out.prompt_token_ids or [])
+                for c in out.outputs:
+                    index = i * n + c.index
+                    first = not started[index]
+                    started[index] = True
+                    prefix = (out.prompt or "") if first and echo else ""
+                    text_offset = offsets[index]
+                    offsets[index] += len(prefix) + len(c.text)
+                    completion_tokens += len(c.token_ids)
+                    # NOTE: no local keeps the choice while the stream waits for its next output: its mask text
+                    # (a ~3.4 KB copy per token) would stay alive in every waiting stream, and each new chunk be
+                    # built in memory that is no longer in cache.
+                    yield sse(self._chunk(base_id, created, model, [
+                        self._choice(request, index, out, c, text_offset, prefix, first, raw_mask=True)]))
+        finally:
+            if single:
+                gens[0].close()
         if request.stream_options is not None and request.stream_options.include_usage:
-            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens)
             yield sse(self._chunk(base_id, created, model, [], usage))
         yield SSE_DONE

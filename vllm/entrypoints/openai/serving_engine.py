@@ -39,9 +39,9 @@ def sse(obj: BaseModel | dict) -> bytes:
 
     NOTE: bytes, not str: a str chunk is decoded from the encoder's bytes here and encoded again by the response,
     two more copies of every chunk (~3.6 KB per token with a sampling mask's text in it)."""
-    if isinstance(obj, BaseModel):
-        return b"".join((b"data: ", obj.model_dump_json(exclude_none=False).encode(), b"\n\n"))
-    return b"".join((b"data: ", _json_encoder.encode(obj), b"\n\n"))
+    if isinstance(obj, dict):  # NOTE: tested first: isinstance against BaseModel (an ABC) costs more
+        return b"".join((b"data: ", _json_encoder.encode(obj), b"\n\n"))
+    return b"".join((b"data: ", obj.model_dump_json(exclude_none=False).encode(), b"\n\n"))
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -94,8 +94,17 @@ class OpenAIServing:
         return f"token_id:{token_id}"
 
     def _top(self, entries: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
-        ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30))
-        return [(tid, lp) for tid, lp in ranked if lp.rank is not None and lp.rank <= num][:num]
+        """The entries ranked 1..num, by rank (ties in dict order), at most num."""
+        # NOTE: filtered before the (stable) sort, which gives the same order; with logprobs=1 one entry is left,
+        # not to sort at all. A plain loop: a comprehension's frame costs more than the loop over a few entries.
+        top: list[tuple[int, Logprob]] = []
+        for item in entries.items():
+            rank = item[1].rank
+            if rank is not None and rank <= num:
+                top.append(item)
+        if len(top) > 1:
+            top.sort(key=_rank_of)
+        return top[:num] if len(top) > num else top
 
     def completion_logprobs(self, token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None,
                             num: int, initial_offset: int) -> dict[str, list] | None:
@@ -107,14 +116,25 @@ class OpenAIServing:
         tokens: list[str] = []
         top_logprobs: list[dict[str, float] | None] = []
         offset = initial_offset
+        token_str = self.token_str
+        # NOTE: `-9999.0 if v < -9999.0 else v` is max(v, -9999.0) (NaN kept) without a builtin call per entry.
         for token_id, entries in zip(token_ids, logprobs):
             sampled = entries.get(token_id)
-            token = self.token_str(token_id, sampled)
+            token = sampled.decoded_token if sampled is not None and sampled.decoded_token is not None else \
+                token_str(token_id, sampled)
             tokens.append(token)
-            token_logprobs.append(sampled.logprob if sampled is not None else None)
-            top = {self.token_str(t, lp): max(lp.logprob, -9999.0) for t, lp in self._top(entries, num)}
+            top: dict[str, float] = {}
+            for t, lp in self._top(entries, num):
+                # the sampled token's entry (the same Logprob) has its string already
+                name = token if t == token_id else \
+                    lp.decoded_token if lp.decoded_token is not None else token_str(t, lp)
+                top[name] = -9999.0 if lp.logprob < -9999.0 else lp.logprob
             if sampled is not None:
-                top.setdefault(token, max(sampled.logprob, -9999.0))
+                v = sampled.logprob
+                token_logprobs.append(v)
+                top.setdefault(token, -9999.0 if v < -9999.0 else v)
+            else:
+                token_logprobs.append(None)
             top_logprobs.append(top)
             text_offset.append(offset)
             offset += len(token)
@@ -136,6 +156,10 @@ class OpenAIServing:
                 token=token, logprob=max(sampled.logprob, -9999.0) if sampled is not None else -9999.0,
                 bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
+
+
+def _rank_of(entry: tuple[int, Logprob]) -> int:
+    return entry[1].rank  # type: ignore[return-value]  # _top keeps ranked entries only
 
 
 async def stream_errors(gen: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:

@@ -36,6 +36,9 @@ from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
 
 
+_STOP = FinishReason.STOP  # a module constant: no enum attribute lookup per output
+
+
 class OutputQueue(Protocol):
     """What AsyncLLM hands in per request (an asyncio.Queue or a collector with the same method)."""
 
@@ -56,15 +59,19 @@ class RequestOutputCollector:
     when the consumer takes it (RequestState holds their logprobs, masks and text until then). A server that
     falls behind then does no per-step output building and merging at all for its streams, the work that
     otherwise grows with the number of steps each chunk merges. An error drops such unbuilt steps.
+
+    One consumer at a time waits on it (`get`, or `wait` as OutputStream does).
     """
 
-    __slots__ = ("output_kind", "_output", "_error", "_ready", "_state", "_step_ids", "_finish", "_closed")
+    __slots__ = ("output_kind", "_output", "_error", "_waiter", "_state", "_step_ids", "_finish", "_closed")
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.output_kind = output_kind
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
-        self._ready = asyncio.Event()
+        # The waiting consumer's future, done by the next put or close. NOTE: a bare future rather than an
+        # asyncio.Event: a streamed token's put and wake-up are then no Python-level Event.set / Event.wait calls.
+        self._waiter: asyncio.Future | None = None
         # put_step: the request whose steps are pending, their kept token ids, and the last (finish, stop) reason.
         self._state: RequestState | None = None
         self._step_ids: list[int] = []
@@ -81,7 +88,11 @@ class RequestOutputCollector:
         else:
             self._step_ids.extend(token_ids)
         self._finish = (finish_reason, stop_reason)
-        self._ready.set()
+        waiter = self._waiter  # _wake, inlined: once per streamed token
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
@@ -93,7 +104,14 @@ class RequestOutputCollector:
             self._output = item
         else:
             merge_delta_outputs(self._output, item)
-        self._ready.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # cancelled with its consumer
+                waiter.set_result(None)
 
     def empty(self) -> bool:
         return self._output is None and self._state is None and self._error is None
@@ -104,7 +122,7 @@ class RequestOutputCollector:
         waiting, or any later, returns None."""
         self._output, self._state, self._step_ids = None, None, []
         self._closed = True
-        self._ready.set()
+        self._wake()
 
     def get_nowait(self) -> RequestOutput | BaseException:
         """The pending output (or, once none is pending, the error); raises asyncio.QueueEmpty if neither."""
@@ -119,15 +137,25 @@ class RequestOutputCollector:
             output = self._error
         else:
             raise asyncio.QueueEmpty
-        if self.empty():
-            self._ready.clear()
         return output
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def wait(self) -> asyncio.Future:
+        """A future done at the next put or close (await it while `empty()` and not `closed`). One waiter at a
+        time: a second one while the first still waits is refused."""
+        if self._waiter is not None and not self._waiter.done():
+            raise RuntimeError("RequestOutputCollector: another task is already waiting for this request's output.")
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        return waiter
 
     async def get(self) -> RequestOutput | BaseException | None:
         while self.empty():
             if self._closed:
                 return None
-            await self._ready.wait()
+            await self.wait()
         return self.get_nowait()
 
 
@@ -187,6 +215,9 @@ class RequestState:
         self.prompt_token_ids = request.prompt_token_ids
         self.params: SamplingParams = request.sampling_params
         self.output_kind = self.params.output_kind
+        # NOTE: the kind's tests once, not an enum lookup and comparison per step.
+        self.delta = self.output_kind == RequestOutputKind.DELTA
+        self.final_only = self.output_kind == RequestOutputKind.FINAL_ONLY
         self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor.from_new_request(tokenizer, self.params)
         # Each output token's mask (DELTA: per token not handed out yet) as an ascending int32 id array and/or as
@@ -199,7 +230,7 @@ class RequestState:
         self.has_masks = False
         self.queue = queue
         # A streamed request of its own into a collector: its steps go to the queue unbuilt (put_step).
-        self.steps_to_queue = (self.output_kind == RequestOutputKind.DELTA and parent is None
+        self.steps_to_queue = (self.delta and parent is None
                                and isinstance(queue, RequestOutputCollector))
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
@@ -232,13 +263,14 @@ class RequestState:
                 raise RuntimeError(f"Request {self.request_id}: sampling masks started after {num_before} tokens.")
             self.has_masks = True
             self.sampling_masks, self.sampling_mask_texts = [], []
-        ids = ids[:num_kept] if ids is not None else None
-        texts = texts[:num_kept] if texts is not None else None
+        if num_kept < num_new:
+            ids = ids[:num_kept] if ids is not None else None
+            texts = texts[:num_kept] if texts is not None else None
         if ids is None and self.sampling_mask_texts is None:
             ids = [ids_from_json_text(t) for t in texts]  # type: ignore[union-attr]
         if texts is None and self.sampling_masks is None:
             texts = [np.frombuffer(json_text_of(a), dtype=np.uint8) for a in ids]  # type: ignore[union-attr]
-        if self.output_kind != RequestOutputKind.DELTA:
+        if not self.delta:
             ids = [a.copy() for a in ids] if ids is not None else None
             texts = [t.copy() for t in texts] if texts is not None else None
         if ids is None or self.sampling_masks is None:
@@ -254,9 +286,9 @@ class RequestState:
                                stop_reason: int | str | None) -> CompletionOutput | None:
         """This step's CompletionOutput (None for FINAL_ONLY until the request finishes)."""
         finished = finish_reason is not None
-        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if self.final_only and not finished:
             return None
-        delta = self.output_kind == RequestOutputKind.DELTA
+        delta = self.delta
         num_new = len(new_token_ids)
         text = self.detokenizer.get_next_output_text(finished, delta)
         lp = self.logprobs_processor
@@ -276,17 +308,13 @@ class RequestState:
             else:
                 masks = list(masks) if masks is not None else None
                 texts = list(texts) if texts is not None else None
-            sampling_mask = SamplingMask(arrays=masks, texts=texts)
-        return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=lp.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=str(finish_reason) if finished else None,
-            stop_reason=stop_reason if finished else None,
-            sampling_mask=sampling_mask,
-        )
+            # The lists are this output's own (handed out, or copied just above).
+            sampling_mask = SamplingMask.of_lists(masks, texts)
+        # NOTE: positional (index, text, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason,
+        # sampling_mask): half the cost of keywords, once per streamed chunk.
+        return CompletionOutput(self.index, text, token_ids, lp.cumulative_logprob, logprobs,
+                                str(finish_reason) if finished else None, stop_reason if finished else None,
+                                sampling_mask)
 
     def make_request_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                             stop_reason: int | str | None) -> RequestOutput | None:
@@ -294,16 +322,10 @@ class RequestState:
         completion = self.make_completion_output(new_token_ids, finish_reason, stop_reason)
         if completion is None:
             return None
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=None,
-            outputs=[completion],
-            finished=finish_reason is not None,
-            num_cached_tokens=self.num_cached_tokens,
-            metrics=self.stats,
-        )
+        # NOTE: positional (request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished,
+        # num_cached_tokens, metrics), as CompletionOutput above.
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, [completion],
+                             finish_reason is not None, self.num_cached_tokens, self.stats)
 
     def update_stats(self, num_new: int) -> None:
         if self.stats is None or num_new == 0:
@@ -415,19 +437,24 @@ class OutputProcessor:
             if eco.num_cached_tokens:
                 state.num_cached_tokens = eco.num_cached_tokens
 
-            new_token_ids = list(eco.new_token_ids)
-            num_before = state.detokenizer.num_output_tokens
-            stop_string = state.detokenizer.update(new_token_ids, stop_terminated=finish_reason == FinishReason.STOP,
-                                                   finished=finish_reason is not None)
+            # NOTE: the step's own list, not copied: nothing below changes it (the detokenizer, the collector and
+            # the outputs copy what they keep).
+            new_token_ids = eco.new_token_ids
+            detokenizer = state.detokenizer
+            num_before = detokenizer.num_output_tokens
+            stop_string = detokenizer.update(new_token_ids, finish_reason == _STOP,
+                                             finish_reason is not None)
             if stop_string is not None:
                 finish_reason = FinishReason.STOP
                 stop_reason = stop_string
-            num_kept = state.detokenizer.num_output_tokens - num_before
-            kept_token_ids = new_token_ids[:num_kept]
+            num_kept = detokenizer.num_output_tokens - num_before
+            kept_token_ids = new_token_ids if num_kept == len(new_token_ids) else new_token_ids[:num_kept]
             state.logprobs_processor.update(eco.new_logprobs, num_kept)
-            state.append_sampling_masks(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids),
-                                        num_kept)
-            state.update_stats(num_kept)
+            if state.has_masks or eco.new_sampling_mask is not None or eco.new_sampling_mask_text is not None:
+                state.append_sampling_masks(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids),
+                                            num_kept)
+            if state.stats is not None:
+                state.update_stats(num_kept)
 
             if state.parent is not None:
                 completion = state.make_completion_output(kept_token_ids, finish_reason, stop_reason)
