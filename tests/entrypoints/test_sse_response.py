@@ -213,3 +213,29 @@ def test_handler_is_cancelled_with_the_request_task() -> None:
 async def _never() -> AsyncGenerator[bytes, None]:
     await asyncio.Event().wait()
     yield b""
+
+
+def test_a_second_reader_of_a_stream_is_refused_without_aborting_it() -> None:
+    """One task reads a stream at a time: a second one that asks while the first waits gets a RuntimeError, and
+    the first still gets every output; nothing is aborted."""
+    engine = AbortRecorder()
+    stream = make_stream(engine, "a")
+    queue = stream._queue
+
+    async def main() -> None:
+        first = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0)  # the first reader waits
+        try:
+            await anext(stream)
+        except RuntimeError as e:
+            assert "already waiting" in str(e)
+        else:
+            raise AssertionError("a second reader was not refused")
+        assert engine.aborted == []
+        queue.put_nowait(output("a", 7, False))
+        assert (await first).outputs[0].token_ids == [7]
+        queue.put_nowait(output("a", 8, True))
+        assert [o.outputs[0].token_ids for o in [o async for o in stream]] == [[8]]
+        assert engine.aborted == []
+
+    run_without_gc(main())

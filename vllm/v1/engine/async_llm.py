@@ -47,7 +47,8 @@ class _Aborter(Protocol):
 class OutputStream:
     """One request's outputs, as an async iterator that ends after the finished one (or raises the request's
     error). `close()` before that aborts the request in the core, whether or not iteration began; a task waiting
-    for the next output then ends its iteration. A cancellation while waiting for an output aborts it too.
+    for the next output then ends its iteration. A cancellation while waiting for an output aborts it too. One task
+    reads it at a time: a second one asking while the first waits gets a RuntimeError (and aborts nothing).
 
     Why not an async generator: a generator closed before its first step runs no cleanup, and one left suspended
     by a cancelled consumer is only finalised when the garbage collector gets to it (a reference cycle through
@@ -75,14 +76,17 @@ class OutputStream:
             raise StopAsyncIteration
         queue = self._queue
         # NOTE: RequestOutputCollector.get inlined (one coroutine less to create and resume per output).
-        try:
-            while queue.empty() and not queue.closed:
-                await queue.wait()
-            # None: closed by another task while this one waited.
-            item = None if self._done or queue.empty() else queue.get_nowait()
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            self.close()
-            raise
+        while queue.empty() and not queue.closed:
+            # NOTE: outside the try: a second task reading this stream while one waits is refused (RuntimeError)
+            # without aborting the request the first one reads.
+            waiter = queue.wait()
+            try:
+                await waiter
+            except BaseException:  # cancelled while waiting: the consumer is gone
+                self.close()
+                raise
+        # None: closed by another task while this one waited.
+        item = None if self._done or queue.empty() else queue.get_nowait()
         if item is None:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
