@@ -3,7 +3,8 @@
 # before them): runs `tools/gpu_run.sh ab` in each tree, then in each again in reverse order (A B B A; with three
 # trees A B C C B A: drift of the machine falls on every side), with a per-thread CPU sample
 # (tools/cpu_sample.py) over all runs, and packs everything into $OUT/all.tgz.
-#   device run: bash tools/gpu_ab_trees.sh .snap/old .snap/new [.snap/new2 ...]  (carry .snap; .whl in one tree)
+#   device run: bash tools/gpu_ab_trees.sh .snap/old .snap/new [.snap/new2 ...]  (carry .snap; .whl in one tree;
+#   tools/snap_trees.sh makes .snap from git revisions)
 # AB_ARGS as for gpu_run.sh (default: no-mask and mask at 512 and 1024 streams, 3 prompts per stream); runs after
 # the first get --no-prime (the first run's priming start fills the machine's kernel caches for all; that run
 # gets PRIME_EXTRA_S more --budget-s for it). TEST_PATHS: if set, each tree after the first runs its CUDA tests
