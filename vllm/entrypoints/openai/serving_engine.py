@@ -120,14 +120,12 @@ class OpenAIServing:
         # NOTE: `-9999.0 if v < -9999.0 else v` is max(v, -9999.0) (NaN kept) without a builtin call per entry.
         for token_id, entries in zip(token_ids, logprobs):
             sampled = entries.get(token_id)
-            token = sampled.decoded_token if sampled is not None and sampled.decoded_token is not None else \
-                token_str(token_id, sampled)
+            token = token_str(token_id, sampled)
             tokens.append(token)
             top: dict[str, float] = {}
             for t, lp in self._top(entries, num):
                 # the sampled token's entry (the same Logprob) has its string already
-                name = token if t == token_id else \
-                    lp.decoded_token if lp.decoded_token is not None else token_str(t, lp)
+                name = token if t == token_id else token_str(t, lp)
                 top[name] = -9999.0 if lp.logprob < -9999.0 else lp.logprob
             if sampled is not None:
                 v = sampled.logprob

@@ -88,11 +88,7 @@ class RequestOutputCollector:
         else:
             self._step_ids.extend(token_ids)
         self._finish = (finish_reason, stop_reason)
-        waiter = self._waiter  # _wake, inlined: once per streamed token
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wake()
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, BaseException):
@@ -450,11 +446,9 @@ class OutputProcessor:
             num_kept = detokenizer.num_output_tokens - num_before
             kept_token_ids = new_token_ids if num_kept == len(new_token_ids) else new_token_ids[:num_kept]
             state.logprobs_processor.update(eco.new_logprobs, num_kept)
-            if state.has_masks or eco.new_sampling_mask is not None or eco.new_sampling_mask_text is not None:
-                state.append_sampling_masks(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids),
-                                            num_kept)
-            if state.stats is not None:
-                state.update_stats(num_kept)
+            state.append_sampling_masks(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids),
+                                        num_kept)
+            state.update_stats(num_kept)
 
             if state.parent is not None:
                 completion = state.make_completion_output(kept_token_ids, finish_reason, stop_reason)
