@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Snapshots of git revisions for tools/gpu_ab_trees.sh, on this machine before the device call: each REV is
 # `git archive`d into .snap/<n>-<rev with / as _> (numbered in the order given, which is the A/B's tree order),
-# and .whl (the device's wheels, tools/../shared/tools/fetch-gpu-wheels.sh) is copied into the first. Prints the
+# and .whl (the device's wheels, from the shared fetch-gpu-wheels.sh) is copied into the first. Prints the
 # directories, ready for `bash tools/gpu_ab_trees.sh $(bash tools/snap_trees.sh main wip/x)` (carry .snap).
 #   bash tools/snap_trees.sh main wip/wire-trims wip/host-group wip/single-wait
 # A tree is ~11 MB, 9 of them the bundled model (vllm/assets/tiny-llama), and the device call carries 64 MiB
@@ -14,11 +14,8 @@ rm -rf .snap && mkdir -p .snap
 n=0
 for rev in "$@"; do
   n=$((n + 1)); dir=.snap/$n-${rev//\//_}
-  if [ $n -gt 1 ] && [ "${SNAP_NO_MODEL:-0}" = 1 ]; then
-    mkdir -p "$dir" && git archive "$rev" -- . ':(exclude)vllm/assets/tiny-llama' | tar x -C "$dir"
-  else
-    mkdir -p "$dir" && git archive "$rev" | tar x -C "$dir"
-  fi
+  paths=(); [ $n -gt 1 ] && [ "${SNAP_NO_MODEL:-0}" = 1 ] && paths=(-- . ':(exclude)vllm/assets/tiny-llama')
+  mkdir -p "$dir" && git archive "$rev" "${paths[@]}" | tar x -C "$dir"
   [ $n -eq 1 ] && [ -d .whl ] && cp -r .whl "$dir/"
   echo "$dir"
 done
