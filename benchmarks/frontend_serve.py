@@ -233,13 +233,15 @@ def run_one(args: argparse.Namespace, tree: str, arm: str, tag: str) -> dict[str
         pids = [p for p in group_pids(proc.pid) if p != proc.pid]
         spies = []
         if args.py_spy is not None:
-            # py-spy (pip install py-spy) samples each API server during the level: stacks in collapsed form.
+            # py-spy (pip install py-spy) samples each API server during the level: stacks in collapsed form. It
+            # stops the process for each sample: --nonblocking reads it running, which misplaced samples here (a
+            # zmq send at 13% of the samples, 3% when stopped).
             for p in pids:
                 if p != core:
                     out = os.path.join(args.out_dir, f"pyspy_{tag}_{p}.txt")
                     spies.append(subprocess.Popen(
                         [py_spy_path(), "record", "--pid", str(p), "--duration", str(int(args.duration)), "--rate",
-                         "250", "--format", "raw", "--nonblocking", "--output", out, *shlex.split(args.py_spy)],
+                         "250", "--format", "raw", "--output", out, *shlex.split(args.py_spy)],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         before = {p: proc_cpu(p) for p in pids}
         t0 = time.monotonic()
