@@ -27,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -190,7 +191,6 @@ def group_pids(pgid: int) -> list[int]:
 
 def core_pid(log_path: str) -> int | None:
     """The engine core's pid, from the launcher's start-up line."""
-    import re
     with open(log_path, errors="replace") as f:
         m = re.search(r"the engine core \(pid (\d+)\)", f.read())
     return int(m.group(1)) if m else None
