@@ -3,6 +3,10 @@
 Example (the GPU issue's shape, dummy weights):
     python benchmarks/benchmark_throughput.py --model benchmarks/configs/qwen2.5-1.5b-instruct \
         --load-format dummy --num-prompts 512 --input-len 128 --output-len 256 --max-num-seqs 512
+
+With `--return-sampling-mask` (and `--logprobs-mode processed_logprobs`) every request gets its masks, and the
+run checks that each output token came with one mask of at least one id (`masks` column: ok, or how many
+requests were off).
 """
 
 from __future__ import annotations
@@ -50,12 +54,19 @@ def main() -> None:
         outs = llm.generate(batch, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        masks_bad = None
+        if engine_args.return_sampling_mask:
+            # One mask per output token, none empty (outside the timed part).
+            masks_bad = sum(c.sampling_mask is None or len(c.sampling_mask) != len(c.token_ids)
+                            or not (c.sampling_mask.counts > 0).all() for o in outs for c in o.outputs)
         results.append({"num_prompts": n, "elapsed_s": elapsed, "output_tokens": num_out,
-                        "output_tokens_per_s": num_out / elapsed, "requests_per_s": n / elapsed})
-    print(f"| requests | elapsed (s) | output tok/s | req/s |\n|---:|---:|---:|---:|")
+                        "output_tokens_per_s": num_out / elapsed, "requests_per_s": n / elapsed,
+                        "masks_bad": masks_bad})
+    print(f"| requests | elapsed (s) | output tok/s | req/s | masks |\n|---:|---:|---:|---:|---|")
     for r in results:
+        masks = "-" if r["masks_bad"] is None else ("ok" if r["masks_bad"] == 0 else f"{r['masks_bad']} bad")
         print(f"| {r['num_prompts']} | {r['elapsed_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
-              f"{r['requests_per_s']:.2f} |")
+              f"{r['requests_per_s']:.2f} | {masks} |")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

@@ -6,7 +6,8 @@
 # Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians), `acceptance_rounds` the same with
 # three rounds of no mask and mask and one of the pre-change arm; stage `diagnose` the next
 # experiments on the mask arm's step (host or device, launch-ahead, deferred mask lists), `ahead_offline` the
-# offline launch-ahead A/B; stage `contention` the CPU-contention ones.
+# offline launch-ahead A/B, `offline_mask` offline throughput without / with masks; stage `contention` the
+# CPU-contention ones.
 # Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) and the GPU's clocks and throttle reasons while the stages run.
 set -uo pipefail
@@ -92,6 +93,17 @@ for s in $stages; do
           --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
           --max-num-seqs 512 --num-prompts 512 --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 \
           --top-k 512 2>&1 | grep -v Warning | tail -1 | sed "s/^/launch_ahead=$a: /" | tee -a "$OUT/ahead_offline.txt"
+      done ;;
+    offline_mask)  # offline LLM.generate of 512 and 1024 requests without / with masks (logprobs=1, processed
+      # logprobs, as the A/B), the engine core in process (order A B B A) then in its own process
+      # (VLLM_ENABLE_V1_MULTIPROCESSING=1, A B); every mask counted after each level (~5 min)
+      for run in 0:0 0:1 0:1 0:0 1:0 1:1; do
+        mp=${run%%:*}; m=${run#*:}; flags=""; [ "$m" = 1 ] && flags="--return-sampling-mask"
+        VLLM_ENABLE_V1_MULTIPROCESSING=$mp python3 benchmarks/benchmark_throughput.py \
+          --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
+          --max-num-seqs 1024 --num-prompts 512 1024 --input-len 128 --output-len 256 --temperature 1.0 \
+          --top-p 0.95 --top-k 512 --logprobs 1 --logprobs-mode processed_logprobs $flags 2>&1 \
+          | grep "^| [0-9]" | sed "s/^/multiprocessing=$mp mask=$m /" | tee -a "$OUT/offline_mask.txt"
       done ;;
     contention)  # the mask arm against CPU contention: clients counting masks from raw JSON, plus server and
       # clients on disjoint CPUs, plus blocking-sync events (no spinning output thread), at 512/1024 (~7 min)
