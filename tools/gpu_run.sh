@@ -6,7 +6,8 @@
 # Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians), `acceptance_rounds` the same with
 # three rounds of no mask and mask and one of the pre-change arm; stage `diagnose` the next
 # experiments on the mask arm's step (host or device, launch-ahead, deferred mask lists), `ahead_offline` the
-# offline launch-ahead A/B, `offline_mask` offline throughput without / with masks; stage `contention` the
+# offline launch-ahead A/B, `offline_mask` offline throughput without / with masks, `offline_trees` the same
+# for the trees in $TREES; stage `contention` the
 # CPU-contention ones.
 # Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) and the GPU's clocks and throttle reasons while the stages run.
@@ -105,6 +106,19 @@ for s in $stages; do
           --top-p 0.95 --top-k 512 --logprobs 1 --logprobs-mode processed_logprobs $flags 2>&1 \
           | grep "^| [0-9]" | sed "s/^/multiprocessing=$mp mask=$m /" | tee -a "$OUT/offline_mask.txt"
       done ;;
+    offline_trees)  # offline throughput of each tree in $TREES (snapshots, e.g. .snap/1-main .snap/2-wip_x from
+      # tools/snap_trees.sh; carry .snap), no mask then mask at 1024 requests, tree order A B .. then .. B A (~6 min
+      # for two trees); each tree's own benchmark script and vllm
+      set -- ${TREES:?set TREES to the snapshot folders}
+      order="$* $(printf '%s\n' "$@" | tac | tr '\n' ' ')"
+      for t in $order; do for m in 0 1; do
+        flags=""; [ "$m" = 1 ] && flags="--return-sampling-mask"
+        (cd "$t" && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/benchmark_throughput.py \
+          --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
+          --max-num-seqs 1024 --num-prompts 1024 --input-len 128 --output-len 256 --temperature 1.0 \
+          --top-p 0.95 --top-k 512 --logprobs 1 --logprobs-mode processed_logprobs $flags 2>&1 \
+          | grep "^| [0-9]" | sed "s|^|$(basename "$t") mask=$m |" | tee -a "$OUT/offline_trees.txt")
+      done; done ;;
     contention)  # the mask arm against CPU contention: clients counting masks from raw JSON, plus server and
       # clients on disjoint CPUs, plus blocking-sync events (no spinning output thread), at 512/1024 (~7 min)
       pinned="--mask-check count --server-cpus 0-9 --client-cpus 10-15"
