@@ -6,7 +6,9 @@ every request's tokens, logprobs and masks, and the garbage collector walking wh
     python benchmarks/offline_host.py --num-reqs 1024 --output-len 64 [--arms no-mask mask] [--rounds 2]
 
 On the GPU the device step overlaps this host work only partly (synchronous here, no overlap): a host step
-longer than the device's (12.5 ms at 1024 rows on the H200 for the A/B model) caps offline throughput.
+longer than the device's (12.5 ms at 1024 rows on the H200 for the A/B model) caps offline throughput. With
+VLLM_ENABLE_V1_MULTIPROCESSING=1 the replay core runs in its own process (the engine's other mode): the step time is
+then the slower of the two processes' host work, as they overlap.
 Prints, per arm and round, output tokens/s, ms per step and CPU us per token (best of `--repeats` runs); each
 (round, arm) runs in a fresh process, so that no arm's heap is walked by the next one's collector.
 """
@@ -27,23 +29,28 @@ import frontend_serve  # noqa: E402
 
 
 def run(num_reqs: int, output_len: int, mask: bool, mask_size: int, repeats: int) -> dict:
+    import functools
+
     from vllm import LLM, SamplingParams
     from vllm.v1.engine import core_client
 
-    def replay_client(self, vllm_config):  # noqa: ANN001 - InprocClient.__init__ with the replay core
-        self.engine_core = frontend_serve.replay_core(vllm_config, device_ms=0.0, device_ms_per_row=0.0,
-                                                      mask_size=mask_size)
+    factory = functools.partial(frontend_serve.replay_core, device_ms=0.0, device_ms_per_row=0.0,
+                                mask_size=mask_size)
 
-    original = core_client.InprocClient.__init__
-    core_client.InprocClient.__init__ = replay_client
+    def replay_inproc(self, vllm_config):  # noqa: ANN001 - InprocClient.__init__ with the replay core
+        self.engine_core = factory(vllm_config)
+
+    def replay_mp(self, vllm_config, engine_core_factory=None, *args, **kwargs):  # noqa: ANN001 - SyncMPClient's
+        original_mp(self, vllm_config, factory, *args, **kwargs)
+
+    original_inproc, original_mp = core_client.InprocClient.__init__, core_client.SyncMPClient.__init__
+    core_client.InprocClient.__init__, core_client.SyncMPClient.__init__ = replay_inproc, replay_mp
     try:
         llm = LLM(model=frontend_serve.MODEL_DIR, skip_tokenizer_init=True, max_num_seqs=num_reqs,
                   max_model_len=128 + output_len + 16, max_num_batched_tokens=num_reqs * 130,
                   logprobs_mode="processed_logprobs", return_sampling_mask=mask, device="cpu")
     finally:
-        core_client.InprocClient.__init__ = original
-    if llm.llm_engine.multiprocess_mode:
-        raise RuntimeError("offline_host.py measures the in-process engine: unset VLLM_ENABLE_V1_MULTIPROCESSING")
+        core_client.InprocClient.__init__, core_client.SyncMPClient.__init__ = original_inproc, original_mp
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=512, logprobs=1, max_tokens=output_len,
                             ignore_eos=True)
     rng = np.random.default_rng(0)
