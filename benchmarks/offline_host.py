@@ -67,6 +67,7 @@ def run(num_reqs: int, output_len: int, mask: bool, mask_size: int, repeats: int
         if best is None or wall < best["wall_s"]:
             # NOTE: one step per output token (the prompts' prefill is the first token's step).
             best = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                    "multiprocess": bool(llm.llm_engine.multiprocess_mode),
                     "ms_per_step": 1e3 * wall / output_len, "cpu_us_per_token": 1e6 * cpu / tokens}
     return best
 
