@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +37,12 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.metrics.step_timing import StepTimer
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText
+from vllm.v1.sample.sampling_mask import group_order
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,8 +85,6 @@ class _ReplayWorker:
         self.text_offsets = np.arange(rows + 1, dtype=np.int64) * len(row_text)
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText
-        from vllm.v1.sample.sampling_mask import group_order
         req_ids = list(scheduler_output.num_scheduled_tokens)
         n = len(req_ids)
         requests = self.scheduler.requests
@@ -114,9 +119,6 @@ class _ReplayWorker:
 def replay_core(vllm_config: Any, device_ms: float, device_ms_per_row: float, mask_size: int) -> Any:
     """The engine core of `serve` mode: EngineCore's scheduler, queue and step loop (synchronous scheduling) over
     a _ReplayWorker."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
-    from vllm.v1.metrics.step_timing import StepTimer
 
     class ReplayCore(EngineCore):
         def __init__(self) -> None:  # noqa: super().__init__ would build a Worker and load a model
@@ -161,14 +163,19 @@ def serve(argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # The driver.
 
-def proc_cpu(pid: int) -> tuple[float, float] | None:
-    """(user, system) CPU seconds of a process so far, None when it is gone."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+            return f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
+def proc_cpu(pid: int) -> tuple[float, float] | None:
+    """(user, system) CPU seconds of a process so far, None when it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK)
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -177,15 +184,16 @@ def group_pids(pgid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        fields = _stat_fields(entry)
+        if fields is None or int(fields[2]) != pgid:
+            continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
+                if b"resource_tracker" in f.read():
+                    continue
         except OSError:
             continue
-        if int(fields[2]) == pgid and b"resource_tracker" not in cmd:
-            pids.append(int(entry))
+        pids.append(int(entry))
     return sorted(pids)
 
 
@@ -280,7 +288,6 @@ def run_one(args: argparse.Namespace, tree: str, arm: str, tag: str) -> dict[str
 
 
 def py_spy_path() -> str:
-    import shutil
     here = os.path.join(os.path.dirname(sys.executable), "py-spy")
     return here if os.path.exists(here) else (shutil.which("py-spy") or "py-spy")
 

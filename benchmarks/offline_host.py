@@ -16,6 +16,7 @@ Prints, per arm and round, output tokens/s, ms per step and CPU us per token (be
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -29,8 +30,6 @@ import frontend_serve  # noqa: E402
 
 
 def run(num_reqs: int, output_len: int, mask: bool, mask_size: int, repeats: int) -> dict:
-    import functools
-
     from vllm import LLM, SamplingParams
     from vllm.v1.engine import core_client
 
@@ -54,7 +53,8 @@ def run(num_reqs: int, output_len: int, mask: bool, mask_size: int, repeats: int
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=512, logprobs=1, max_tokens=output_len,
                             ignore_eos=True)
     rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(0, 151_936, 128).tolist()} for _ in range(num_reqs)]
+    vocab = llm.llm_engine.vllm_config.model_config.vocab_size
+    prompts = [{"prompt_token_ids": rng.integers(0, vocab, 128).tolist()} for _ in range(num_reqs)]
     llm.generate(prompts[:8], params, use_tqdm=False)
     best = None
     for _ in range(repeats):

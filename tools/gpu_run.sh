@@ -7,8 +7,7 @@
 # three rounds of no mask and mask and one of the pre-change arm; stage `diagnose` the next
 # experiments on the mask arm's step (host or device, launch-ahead, deferred mask lists), `ahead_offline` the
 # offline launch-ahead A/B, `offline_mask` offline throughput without / with masks, `offline_trees` the same
-# for the trees in $TREES; stage `contention` the
-# CPU-contention ones.
+# for the trees in $TREES; stage `contention` the CPU-contention ones.
 # Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), AB_ARGS, PROF_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) and the GPU's clocks and throttle reasons while the stages run.
 set -uo pipefail
@@ -18,6 +17,13 @@ if [ ! -d /tmp/site/msgspec ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 stages=${*:-"info tests backend mask attn throughput"}
+# The offline stages' run (offline_mask, offline_trees): the A/B's model and sampling settings with logprobs=1 and
+# processed logprobs, the table's rows only; extra flags (requests, --return-sampling-mask) after them.
+offline_run() {
+  python3 benchmarks/benchmark_throughput.py --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy \
+    --skip-tokenizer-init --max-num-seqs 1024 --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 \
+    --top-k 512 --logprobs 1 --logprobs-mode processed_logprobs "$@" 2>&1 | grep "^| [0-9]"
+}
 if [ "${CPU_SAMPLE:-0}" = 1 ]; then  # per-thread CPU use of the python processes, every 5 s, during all stages
   python3 tools/cpu_sample.py > "$OUT/cpu_sample.txt" 2>&1 & sampler=$!
   # NOTE: and the GPU's clocks, power, temperature and throttle reasons every 2 s (read only): a level whose
@@ -100,11 +106,8 @@ for s in $stages; do
       # (VLLM_ENABLE_V1_MULTIPROCESSING=1, A B); every mask counted after each level (~5 min)
       for run in 0:0 0:1 0:1 0:0 1:0 1:1; do
         mp=${run%%:*}; m=${run#*:}; flags=""; [ "$m" = 1 ] && flags="--return-sampling-mask"
-        VLLM_ENABLE_V1_MULTIPROCESSING=$mp python3 benchmarks/benchmark_throughput.py \
-          --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
-          --max-num-seqs 1024 --num-prompts 512 1024 --input-len 128 --output-len 256 --temperature 1.0 \
-          --top-p 0.95 --top-k 512 --logprobs 1 --logprobs-mode processed_logprobs $flags 2>&1 \
-          | grep "^| [0-9]" | sed "s/^/multiprocessing=$mp mask=$m /" | tee -a "$OUT/offline_mask.txt"
+        VLLM_ENABLE_V1_MULTIPROCESSING=$mp offline_run --num-prompts 512 1024 $flags \
+          | sed "s/^/multiprocessing=$mp mask=$m /" | tee -a "$OUT/offline_mask.txt"
       done ;;
     offline_trees)  # offline throughput of each tree in $TREES (snapshots, e.g. .snap/1-main .snap/2-wip_x from
       # tools/snap_trees.sh; carry .snap), no mask then mask at 1024 requests, tree order A B .. then .. B A (~6 min
@@ -113,11 +116,8 @@ for s in $stages; do
       order="$* $(printf '%s\n' "$@" | tac | tr '\n' ' ')"
       for t in $order; do for m in 0 1; do
         flags=""; [ "$m" = 1 ] && flags="--return-sampling-mask"
-        (cd "$t" && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/benchmark_throughput.py \
-          --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init \
-          --max-num-seqs 1024 --num-prompts 1024 --input-len 128 --output-len 256 --temperature 1.0 \
-          --top-p 0.95 --top-k 512 --logprobs 1 --logprobs-mode processed_logprobs $flags 2>&1 \
-          | grep "^| [0-9]" | sed "s|^|$(basename "$t") mask=$m |" | tee -a "$OUT/offline_trees.txt")
+        (cd "$t" && PYTHONPATH=/tmp/site:$PWD offline_run --num-prompts 1024 $flags \
+          | sed "s|^|$(basename "$t") mask=$m |" | tee -a "$OUT/offline_trees.txt")
       done; done ;;
     contention)  # the mask arm against CPU contention: clients counting masks from raw JSON, plus server and
       # clients on disjoint CPUs, plus blocking-sync events (no spinning output thread), at 512/1024 (~7 min)
