@@ -3,7 +3,7 @@
 Checked against the single-server behaviour: concurrent seeded streams equal the same requests sent one at a
 time without streaming (so every response came back whole, to the connection that asked, whichever process
 served it), masks hold their tokens, a request id given to both processes at once never disturbs the engine,
-SIGTERM stops the whole group with exit 0, and a killed engine core takes the group down with a non-zero exit.
+SIGTERM stops the whole group (and a single server) with exit 0 and no socket folder left, and a killed engine core takes the group down with a non-zero exit.
 """
 
 from __future__ import annotations
@@ -115,14 +115,21 @@ def test_same_request_id_on_both_servers_leaves_the_engine_serving(group: Remote
     assert after.status_code == 200 and len(after.json()["choices"][0]["token_ids"]) == 6
 
 
-def test_sigterm_stops_the_whole_group() -> None:
-    srv = start_server(["--api-server-count", "2", "--max-model-len", "128", "--max-num-seqs", "4"])
+@pytest.mark.parametrize("count", [1, 2])
+def test_sigterm_stops_the_whole_group(count: int, tmp_path: Any) -> None:
+    """Exit 0, no process left, and the engine core's socket folder (under TMPDIR) removed; one server as well
+    (uvicorn raises the signal again after its graceful shutdown, which under the default handler killed the
+    process before its cleanup)."""
+    srv = start_server(["--api-server-count", str(count), "--max-model-len", "128", "--max-num-seqs", "4"],
+                       extra_env={"TMPDIR": str(tmp_path)})
     children = spawn_children(srv)
-    assert len(children) == 3
+    assert len(children) == 1 + (count if count > 1 else 0)
+    assert [p.name for p in tmp_path.glob("vllm-core-*")] != []
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(60) == 0
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}")
+    assert [p.name for p in tmp_path.glob("vllm-core-*")] == []
 
 
 def test_killing_the_engine_core_exits_the_group_nonzero(group: RemoteServer) -> None:

@@ -34,6 +34,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -302,7 +303,7 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
         server = uvicorn.Server(config)
         watchdog = asyncio.create_task(_watch_engine(engine, server))
         gc_log = asyncio.create_task(_log_gc_pauses()) if envs.VLLM_ENGINE_STEP_TIMING else None
-        with maybe_cprofile(f"api_server_{os.getpid()}"):
+        with maybe_cprofile(f"api_server_{os.getpid()}"), _stop_signals_absorbed():
             await server.serve(sockets=[sock] if sock is not None else None)
         watchdog.cancel()
         if gc_log is not None:
@@ -312,6 +313,23 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
         return 0 if server.started else 1
     finally:
         engine.shutdown()
+
+
+@contextlib.contextmanager
+def _stop_signals_absorbed() -> Any:
+    """Around uvicorn's `serve`: once it has shut down on SIGTERM/SIGINT it raises the signal again under the
+    handler found at its start. Under the default ones the process would die there, before `run_server`'s
+    cleanup (the engine core stopped, its socket folder removed); here the re-raised signal is absorbed and the
+    server returns as after any graceful shutdown. Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _api_server_proc(args: argparse.Namespace, vllm_config: VllmConfig, core_handle: EngineCoreHandle,
