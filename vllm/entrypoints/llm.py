@@ -12,7 +12,8 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
-from vllm.v1.engine.llm_engine import LLMEngine, PromptType
+from vllm.inputs import PromptType
+from vllm.v1.engine.llm_engine import LLMEngine
 
 ChatMessage = dict[str, Any]
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator
+from typing import Protocol
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
@@ -36,8 +37,6 @@ from vllm.v1.metrics.stats import RequestStatsTracker
 logger = logging.getLogger(__name__)
 # NOTE: most queued engine steps processed in one go before the event loop serves the streams again.
 _MAX_STEPS_PER_WAKE = 64
-
-PromptType = str | Mapping[str, Any]
 
 
 class _Aborter(Protocol):

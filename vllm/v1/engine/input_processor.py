@@ -17,14 +17,12 @@ Invariants of the returned request:
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from vllm.config import VllmConfig
+from vllm.inputs import PROMPT_KEYS, PromptType
 from vllm.sampling_params import _SAMPLING_EPS, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, read_generation_eos_token_ids
 from vllm.v1.engine import EngineCoreRequest
-
-PromptType = str | dict[str, Any]
 
 
 class InputProcessor:
@@ -56,6 +54,12 @@ class InputProcessor:
             text: str | None = prompt
             token_ids: list[int] | None = None
         elif isinstance(prompt, dict):
+            unknown = prompt.keys() - PROMPT_KEYS
+            if unknown:
+                raise ValueError(
+                    f"Unsupported prompt key(s): {', '.join(sorted(map(repr, unknown)))}. This engine takes only "
+                    "'prompt' (text) and 'prompt_token_ids' (list of ints): it has no multimodal inputs, prompt "
+                    "embeddings, cache salts or encoder-decoder prompts. Remove the key(s).")
             text = prompt.get("prompt")
             token_ids = prompt.get("prompt_token_ids")
             if text is None and token_ids is None:

@@ -10,12 +10,11 @@ request id with one CompletionOutput per child (see vllm/v1/engine/parallel_samp
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
@@ -23,8 +22,6 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_processor import OutputProcessor
-
-PromptType = str | Mapping[str, Any]
 
 
 class LLMEngine:
