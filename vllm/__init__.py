@@ -6,12 +6,22 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "PromptType", "RequestOutput", "RequestOutputKind", "SamplingMask",
-           "SamplingParams", "TextPrompt", "TokensPrompt", "__version__"]
+__all__ = ["LLM", "AsyncEngineArgs", "AsyncLLMEngine", "CompletionOutput", "EngineArgs", "LLMEngine", "Logprob",
+           "PromptType", "RequestOutput", "RequestOutputKind", "SamplingMask", "SamplingParams", "TextPrompt",
+           "TokensPrompt", "__version__"]
 
 
-def __getattr__(name: str):  # LLM imports torch and the engine: load it on first use
+def __getattr__(name: str):  # these import torch and the engine: load them on first use
     if name == "LLM":
         from vllm.entrypoints.llm import LLM
         return LLM
+    if name in ("EngineArgs", "AsyncEngineArgs"):
+        from vllm.engine import arg_utils
+        return getattr(arg_utils, name)
+    if name == "AsyncLLMEngine":
+        from vllm.engine.async_llm_engine import AsyncLLMEngine
+        return AsyncLLMEngine
+    if name == "LLMEngine":
+        from vllm.engine.llm_engine import LLMEngine
+        return LLMEngine
     raise AttributeError(name)
