@@ -9,10 +9,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
-from vllm.inputs import PromptType
 from vllm.v1.engine.llm_engine import LLMEngine
 
 ChatMessage = dict[str, Any]
