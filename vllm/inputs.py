@@ -3,7 +3,7 @@
 At run time a prompt is a plain `str` or `dict`: `TextPrompt` and `TokensPrompt` are TypedDicts, so
 `TokensPrompt(prompt_token_ids=[...])` is the same dict as `{"prompt_token_ids": [...]}`. Only the keys below
 are honoured; the input processor rejects any other key (vLLM's `multi_modal_data`, `mm_processor_kwargs`,
-`cache_salt`, ...) with a ValueError rather than ignoring it.
+`cache_salt`, ...) with a ValueError rather than ignoring it, unless its value is None (which asks for nothing).
 """
 
 from __future__ import annotations

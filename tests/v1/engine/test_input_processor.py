@@ -159,3 +159,10 @@ def test_prompt_keys_not_honoured_are_refused(model_dir: str, tok: Tokenizer, ke
     with pytest.raises(ValueError, match=rf"Unsupported prompt key\(s\): '{key}'\. This engine takes only 'prompt' "
                                          r"\(text\) and 'prompt_token_ids'"):
         make_processor(model_dir, tok).process_inputs("r", prompt, SamplingParams())
+
+
+def test_prompt_keys_set_to_none_are_ignored(model_dir: str, tok: Tokenizer) -> None:
+    """vLLM's optional keys given as None ask for nothing: the prompt is the plain tokens prompt."""
+    prompt = {"prompt_token_ids": [3, 4, 5], "multi_modal_data": None, "cache_salt": None}
+    req, text = make_processor(model_dir, tok).process_inputs("r", prompt, SamplingParams())
+    assert req.prompt_token_ids == [3, 4, 5] and text is None

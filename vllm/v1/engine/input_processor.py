@@ -55,7 +55,8 @@ class InputProcessor:
             text: str | None = prompt
             token_ids: list[int] | None = None
         elif isinstance(prompt, dict):
-            unknown = prompt.keys() - PROMPT_KEYS
+            # NOTE: a key set to None asks for nothing (TokensPrompt(..., multi_modal_data=None)): ignored.
+            unknown = [k for k in prompt.keys() - PROMPT_KEYS if prompt[k] is not None]
             if unknown:
                 raise ValueError(
                     f"Unsupported prompt key(s): {', '.join(sorted(map(repr, unknown)))}. This engine takes only "
