@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+from vllm.utils import warning_once
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -15,6 +20,9 @@ class CacheConfig:
     """Explicit KV cache size in bytes; on CPU the default is 1 GiB. Overrides gpu_memory_utilization."""
     num_gpu_blocks_override: int | None = None
     """Use exactly this many KV blocks (tests and debugging)."""
+    enable_prefix_caching: bool | None = None
+    """Accepted for vLLM compatibility; no effect: there is no prefix cache, every prompt is computed in full
+    (outputs are the same as with one). True logs a warning."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -25,3 +33,6 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
+        if self.enable_prefix_caching:
+            warning_once(logger, "enable_prefix_caching=True: prefix caching is not implemented, the engine runs "
+                                 "without it (outputs are unchanged; shared prompt prefixes are computed again).")

@@ -71,6 +71,9 @@ class ModelConfig:
     """Decode batch sizes captured as CUDA graphs (a batch replays the smallest size that holds it; steps with
     prefills sample as the sampler graph of the size that holds their requests); the default is 1, 2, 4, 8, 16,
     24, ..., 1024, capped at max_num_seqs and max_num_batched_tokens. Comma-separated."""
+    trust_remote_code: bool = False
+    """Accepted for vLLM compatibility; no effect: only the built-in architectures (Llama, Qwen2, Qwen3) load,
+    and no code from a checkpoint folder ever runs."""
 
     hf_config: SimpleNamespace = field(init=False, repr=False)
 

@@ -1,7 +1,8 @@
 """EngineArgs: the flat list of engine options, their CLI flags, and the VllmConfig they build.
 
 A flag's help is the docstring of the config field it sets (read from the config classes' source), so the
-config classes stay the one place where an option is described.
+config classes stay the one place where an option is described; the few options that set no config field
+(disable_log_stats, enable_lora, enable_log_requests) carry their docstring here, on the EngineArgs field.
 """
 
 from __future__ import annotations
@@ -21,15 +22,18 @@ _CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, De
 
 @cache
 def _field_docs() -> dict[str, str]:
-    """Attribute docstrings of every config dataclass: the string literal right after `name: type = value`."""
+    """Attribute docstrings of every config dataclass and of (Async)EngineArgs: the string literal right after
+    `name: type = value`."""
     docs: dict[str, str] = {}
-    for cls in _CONFIG_CLASSES:
+    for cls in (*_CONFIG_CLASSES, EngineArgs, AsyncEngineArgs):
         body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
         for stmt, nxt in zip(body, body[1:]):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
                     and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                     and isinstance(nxt.value.value, str)):
-                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+                # NOTE: the first class to describe a name wins (SchedulerConfig's internal copy of
+                # max_model_len must not replace ModelConfig's description of the flag).
+                docs.setdefault(stmt.target.id, " ".join(nxt.value.value.split()))
     return docs
 
 
@@ -58,11 +62,23 @@ class EngineArgs:
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     enable_batch_sharded_sampling: bool = False
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
+    trust_remote_code: bool = False
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    disable_log_stats: bool = False
+    """Record no stats: the server's /metrics values are not updated (only vllm:num_gpu_blocks is set). The
+    offline engine (LLM, LLMEngine) keeps no stats either way."""
+    enable_lora: bool = False
+    """Only False: LoRA adapters are not supported (merge an adapter into the weights instead)."""
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
+        """One flag per field of this class (AsyncEngineArgs adds its own)."""
         docs = _field_docs()
-        for f in fields(EngineArgs):
+        for f in fields(cls):
             name = "--" + f.name.replace("_", "-")
             help_text = docs.get(f.name, "")
             if f.name == "model" and positional_model:
@@ -84,26 +100,42 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> VllmConfig:
+        if self.enable_lora:
+            raise ValueError("enable_lora=True is not supported: this engine has no LoRA; use enable_lora=False "
+                             "(--no-enable-lora) and merge the adapter into the model's weights.")
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, served_model_name=self.served_model_name, dtype=self.dtype,
             seed=self.seed, max_model_len=self.max_model_len, skip_tokenizer_init=self.skip_tokenizer_init,
             load_format=self.load_format, logprobs_mode=self.logprobs_mode, max_logprobs=self.max_logprobs,
             return_sampling_mask=self.return_sampling_mask, enforce_eager=self.enforce_eager,
-            cudagraph_capture_sizes=self.cudagraph_capture_sizes)
+            cudagraph_capture_sizes=self.cudagraph_capture_sizes, trust_remote_code=self.trust_remote_code)
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                                      kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                     enable_prefix_caching=self.enable_prefix_caching),
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                              max_num_batched_tokens=self.max_num_batched_tokens,
-                                             async_scheduling=self.async_scheduling),
+                                             async_scheduling=self.async_scheduling,
+                                             enable_chunked_prefill=self.enable_chunked_prefill),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                           enable_batch_sharded_sampling=self.enable_batch_sharded_sampling),
+                                           enable_batch_sharded_sampling=self.enable_batch_sharded_sampling,
+                                           pipeline_parallel_size=self.pipeline_parallel_size,
+                                           distributed_executor_backend=self.distributed_executor_backend,
+                                           enable_expert_parallel=self.enable_expert_parallel),
             device_config=DeviceConfig(device=self.device))
 
     def replace(self, **kwargs: Any) -> EngineArgs:
         return dataclasses.replace(self, **kwargs)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs of AsyncLLM (and `vllm serve`)."""
+
+    enable_log_requests: bool = False
+    """Log each request as it is added (its id, prompt length and sampling params) at INFO."""
 
 
 def _parse_int_list(value: str) -> list[int]:

@@ -9,10 +9,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
-from vllm.v1.engine.llm_engine import LLMEngine, PromptType
+from vllm.v1.engine.llm_engine import LLMEngine
 
 ChatMessage = dict[str, Any]
 
@@ -42,7 +43,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. lora_request must be None: LoRA is not supported."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: this engine has no LoRA; pass lora_request=None.")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -78,6 +82,10 @@ class LLM:
                 chat_template=chat_template, **chat_template_kwargs)
             prompts.append({"prompt_token_ids": list(token_ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Always True: there is no prefix cache to reset (see AsyncLLM.reset_prefix_cache)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -9,6 +9,7 @@ import pytest
 from test_tokenizer import build_tokenizer_folder
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
 from vllm.v1.engine.input_processor import InputProcessor
@@ -137,3 +138,31 @@ def test_sampling_mask_validation(model_dir: str, tok: Tokenizer) -> None:
         off.process_inputs("r", "hi", SamplingParams(temperature=1.0, top_k=5, return_sampling_mask=True))
     req, _ = off.process_inputs("r", "hi", SamplingParams(temperature=0.0))
     assert req.sampling_params.return_sampling_mask is False
+
+
+def test_typed_prompts_are_the_plain_dicts(model_dir: str, tok: Tokenizer) -> None:
+    proc = make_processor(model_dir, tok)
+    params = SamplingParams(max_tokens=4)
+    plain, _ = proc.process_inputs("r", {"prompt_token_ids": [3, 4, 5]}, params)
+    typed, text = proc.process_inputs("r", TokensPrompt(prompt_token_ids=[3, 4, 5]), params)
+    assert typed.prompt_token_ids == plain.prompt_token_ids == [3, 4, 5] and text is None
+    # The text of a tokens prompt is carried along, never tokenized.
+    typed, text = proc.process_inputs("r", TokensPrompt(prompt_token_ids=[3, 4, 5], prompt="abc"), params)
+    assert typed.prompt_token_ids == [3, 4, 5] and text == "abc"
+    typed, text = proc.process_inputs("r", TextPrompt(prompt="hi there"), params)
+    assert typed.prompt_token_ids == tok.encode("hi there") and text == "hi there"
+
+
+@pytest.mark.parametrize("key", ["multi_modal_data", "mm_processor_kwargs", "cache_salt", "prompt_embeds"])
+def test_prompt_keys_not_honoured_are_refused(model_dir: str, tok: Tokenizer, key: str) -> None:
+    prompt = {"prompt_token_ids": [3, 4, 5], key: {"image": None}}
+    with pytest.raises(ValueError, match=rf"Unsupported prompt key\(s\): '{key}'\. This engine takes only 'prompt' "
+                                         r"\(text\) and 'prompt_token_ids'"):
+        make_processor(model_dir, tok).process_inputs("r", prompt, SamplingParams())
+
+
+def test_prompt_keys_set_to_none_are_ignored(model_dir: str, tok: Tokenizer) -> None:
+    """vLLM's optional keys given as None ask for nothing: the prompt is the plain tokens prompt."""
+    prompt = {"prompt_token_ids": [3, 4, 5], "multi_modal_data": None, "cache_salt": None}
+    req, text = make_processor(model_dir, tok).process_inputs("r", prompt, SamplingParams())
+    assert req.prompt_token_ids == [3, 4, 5] and text is None

@@ -1,6 +1,6 @@
 """The `vllm` command: `vllm serve [MODEL] [flags]` starts the OpenAI-compatible server.
 
-Engine flags come from EngineArgs.add_cli_args (vLLM's names); server flags from the API server. A bad flag
+Engine flags come from AsyncEngineArgs.add_cli_args (vLLM's names); server flags from the API server. A bad flag
 value (a config ValueError, e.g. --tensor-parallel-size 2) exits with status 2 and the message.
 """
 
@@ -11,7 +11,7 @@ import asyncio
 import logging
 import sys
 
-from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.arg_utils import AsyncEngineArgs
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -21,14 +21,14 @@ def make_parser() -> argparse.ArgumentParser:
                                   description="Start the OpenAI-compatible HTTP server.")
     from vllm.entrypoints.openai.api_server import add_frontend_args
     add_frontend_args(serve)
-    EngineArgs.add_cli_args(serve)
+    AsyncEngineArgs.add_cli_args(serve)
     return parser
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from vllm.entrypoints.openai.api_server import loop_factory, run_api_servers, run_server
     try:
-        EngineArgs.from_cli_args(args).create_engine_config()
+        AsyncEngineArgs.from_cli_args(args).create_engine_config()
     except ValueError as e:
         parser.error(str(e))
     if args.api_server_count < 1:

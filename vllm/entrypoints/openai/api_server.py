@@ -291,7 +291,8 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
                      core_handle: EngineCoreHandle | None = None, sock: socket.socket | None = None) -> int:
     """Start the engine (or join a shared core: core_handle) and serve on args.host/port (or the listening
     `sock`) until shutdown; returns the process exit code (1 when the engine died)."""
-    engine = AsyncLLM(vllm_config or make_vllm_config(args), core_handle=core_handle)
+    engine = AsyncLLM(vllm_config or make_vllm_config(args), log_stats=not args.disable_log_stats,
+                      core_handle=core_handle, log_requests=args.enable_log_requests)
     try:
         app = build_app(engine, args.api_key)
         # NOTE: everything built so far (imports, torch among them, the app, the engine client) lives as long as

@@ -9,17 +9,13 @@ Choices carry `sampling_mask: list[list[int]] | None`, one ascending id list per
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-
-def random_uuid() -> str:
-    return uuid.uuid4().hex
+from vllm.utils import random_uuid
 
 
 class OpenAIBaseModel(BaseModel):

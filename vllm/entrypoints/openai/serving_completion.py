@@ -17,8 +17,9 @@ import msgspec
 
 from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
 from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, SSEStream, sse, with_mask_texts
+from vllm.inputs import PromptType
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.v1.engine.async_llm import OutputStream, PromptType
+from vllm.v1.engine.async_llm import OutputStream
 
 
 def parse_prompts(prompt: Any) -> list[PromptType]:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
@@ -36,8 +37,6 @@ from vllm.v1.metrics.stats import RequestStatsTracker
 logger = logging.getLogger(__name__)
 # NOTE: most queued engine steps processed in one go before the event loop serves the streams again.
 _MAX_STEPS_PER_WAKE = 64
-
-PromptType = str | Mapping[str, Any]
 
 
 class _Aborter(Protocol):
@@ -122,9 +121,9 @@ class OutputStream:
 
 class AsyncLLM:
     def __init__(self, vllm_config: VllmConfig, log_stats: bool = True,
-                 core_handle: EngineCoreHandle | None = None) -> None:
+                 core_handle: EngineCoreHandle | None = None, log_requests: bool = False) -> None:
         """core_handle: join an engine core shared by several API servers (launch_engine_core) instead of
-        starting one."""
+        starting one. log_stats: record the Prometheus metrics. log_requests: log each added request at INFO."""
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
         self.model_config = mc
@@ -134,14 +133,33 @@ class AsyncLLM:
         self.engine_core = AsyncMPClient(vllm_config, handle=core_handle)
         self.num_gpu_blocks = int(self.engine_core.ready_info.get("num_gpu_blocks", 0))
         self.log_stats = log_stats
+        self.log_requests = log_requests
         self.stat_logger = PrometheusStatLogger(mc.name, self.num_gpu_blocks)
         self.request_stats = RequestStatsTracker()
         self.output_handler: asyncio.Task | None = None
         self._background_tasks: set[asyncio.Task] = set()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
-        return cls(engine_args.create_engine_config())
+    def from_vllm_config(cls, vllm_config: VllmConfig, start_engine_loop: bool = True, usage_context: Any = None,
+                         stat_loggers: Any = None, enable_log_requests: bool = False,
+                         disable_log_stats: bool = False) -> AsyncLLM:
+        """vLLM's constructor. start_engine_loop and usage_context have no effect: the output loop starts with the
+        first request either way, and no usage stats are collected."""
+        if stat_loggers is not None:
+            raise ValueError("stat_loggers is not supported: custom stat loggers cannot be added (the engine's "
+                             "metrics are Prometheus ones, served at /metrics); pass stat_loggers=None.")
+        return cls(vllm_config, log_stats=not disable_log_stats, log_requests=enable_log_requests)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True, usage_context: Any = None,
+                         stat_loggers: Any = None, enable_log_requests: bool = False,
+                         disable_log_stats: bool = False) -> AsyncLLM:
+        """From EngineArgs or AsyncEngineArgs; request logging and stats follow the arguments or engine_args (on
+        when either asks)."""
+        return cls.from_vllm_config(
+            engine_args.create_engine_config(), start_engine_loop, usage_context, stat_loggers,
+            enable_log_requests=enable_log_requests or getattr(engine_args, "enable_log_requests", False),
+            disable_log_stats=disable_log_stats or engine_args.disable_log_stats)
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -165,11 +183,16 @@ class AsyncLLM:
         if self.output_handler is None or self.output_handler.done():
             self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
 
-    async def add_request(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams) -> RequestOutputCollector:
-        """Validate, register and send one request; raises ValueError (bad input) or EngineDeadError."""
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                          lora_request: Any = None, priority: int = 0) -> RequestOutputCollector:
+        """Validate, register and send one request; raises ValueError (bad input, a lora_request, a priority
+        other than 0) or EngineDeadError."""
         await self.check_health()
-        request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, time.time())
+        request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, time.time(),
+                                                                   lora_request=lora_request, priority=priority)
+        if self.log_requests:
+            logger.info("Added request %s: %d prompt tokens, %r.", request_id, len(request.prompt_token_ids),
+                        params)
         queue = RequestOutputCollector(params.output_kind)
         core_requests = self.output_processor.add_request(request, prompt_text, queue)
         if self.log_stats:
@@ -185,9 +208,12 @@ class AsyncLLM:
             raise
         return queue
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        queue = await self.add_request(request_id, prompt, sampling_params)
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
+                       lora_request: Any = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs as they come. lora_request and priority are vLLM's; anything but their defaults
+        raises ValueError (no LoRA, no priority scheduling)."""
+        queue = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request,
+                                       priority=priority)
         stream = self.stream_outputs(request_id, queue)
         try:
             async for output in stream:
@@ -202,6 +228,18 @@ class AsyncLLM:
         Streamed (DELTA) outputs that arrive faster than the caller takes them come merged (one output for
         several engine steps), see RequestOutputCollector."""
         return OutputStream(self, request_id, queue)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's call to drop cached KV blocks (trainers call it after a weight update). There is no prefix
+        cache here: a request's KV blocks are freed when it ends and never reused by another, so nothing can be
+        stale and True (done) is the right answer, for any arguments (running requests' KV is not cached either,
+        and there is no KV connector)."""
+        await self.check_health()
+        return True
+
+    async def is_sleeping(self) -> bool:
+        """Always False: sleep mode is not supported, the engine is always awake."""
+        return False
 
     async def abort(self, request_id: str | list[str]) -> None:
         self._abort_now([request_id] if isinstance(request_id, str) else list(request_id))

@@ -20,11 +20,10 @@ import time
 from typing import Any
 
 from vllm.config import VllmConfig
+from vllm.inputs import PROMPT_KEYS, PromptType
 from vllm.sampling_params import _SAMPLING_EPS, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, read_generation_eos_token_ids
 from vllm.v1.engine import EngineCoreRequest
-
-PromptType = str | dict[str, Any]
 
 
 class InputProcessor:
@@ -56,6 +55,13 @@ class InputProcessor:
             text: str | None = prompt
             token_ids: list[int] | None = None
         elif isinstance(prompt, dict):
+            # NOTE: a key set to None asks for nothing (TokensPrompt(..., multi_modal_data=None)): ignored.
+            unknown = [k for k in prompt.keys() - PROMPT_KEYS if prompt[k] is not None]
+            if unknown:
+                raise ValueError(
+                    f"Unsupported prompt key(s): {', '.join(sorted(map(repr, unknown)))}. This engine takes only "
+                    "'prompt' (text) and 'prompt_token_ids' (list of ints): it has no multimodal inputs, prompt "
+                    "embeddings, cache salts or encoder-decoder prompts. Remove the key(s).")
             text = prompt.get("prompt")
             token_ids = prompt.get("prompt_token_ids")
             if text is None and token_ids is None:
@@ -111,14 +117,20 @@ class InputProcessor:
                     f"top_k={params.top_k}. Set both, or opt this request out with return_sampling_mask=False.")
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None,
-                       add_special_tokens: bool = True) -> tuple[EngineCoreRequest, str | None]:
+                       arrival_time: float | None = None, add_special_tokens: bool = True, *,
+                       lora_request: Any = None, priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
         """Validate and tokenize one request; returns it with the prompt text (None for token-id prompts).
 
         `add_special_tokens=False` is for prompts already rendered by a chat template (which writes its own BOS).
+        `lora_request` and `priority` are vLLM's; only their defaults (None, 0) are accepted.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: this engine has no LoRA; pass lora_request=None.")
+        if priority != 0:
+            raise ValueError(f"priority={priority!r} is not supported: requests are scheduled first come, first "
+                             "served (no priority scheduling); pass priority=0.")
         prompt_token_ids, prompt_text = self._tokenize(prompt, add_special_tokens)
         self._validate_prompt(prompt_token_ids)
         self._validate_params(params)

@@ -5,17 +5,19 @@ leaves every running request untouched. The core runs in this process (default) 
 `multiprocess_mode=True` / VLLM_ENABLE_V1_MULTIPROCESSING=1, in a child process behind the same client interface.
 A request with `n > 1` runs as n child requests in the core; `step()` returns RequestOutputs under the user's
 request id with one CompletionOutput per child (see vllm/v1/engine/parallel_sampling.py).
+
+It keeps no stats (EngineArgs.disable_log_stats has no effect here).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from vllm import envs
-from vllm.config import VllmConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
@@ -23,8 +25,6 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_processor import OutputProcessor
-
-PromptType = str | Mapping[str, Any]
 
 
 class LLMEngine:
@@ -43,10 +43,17 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool | None = None) -> LLMEngine:
         return cls(engine_args.create_engine_config(), multiprocess_mode)
 
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.vllm_config.model_config
+
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                        arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
-        """Validate and tokenize one request without adding it (raises ValueError)."""
-        return self.input_processor.process_inputs(request_id, prompt, params, arrival_time or time.time())
+                        arrival_time: float | None = None, *, lora_request: Any = None,
+                        priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
+        """Validate and tokenize one request without adding it (raises ValueError; also for a lora_request or a
+        priority other than 0, which this engine does not support)."""
+        return self.input_processor.process_inputs(request_id, prompt, params, arrival_time or time.time(),
+                                                   lora_request=lora_request, priority=priority)
 
     def add_processed_request(self, request: EngineCoreRequest, prompt_text: str | None) -> None:
         """Track and send a processed request; with n > 1 it fans out into n child requests to the core."""
@@ -54,9 +61,14 @@ class LLMEngine:
             self.engine_core.add_request(core_request)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        request, prompt_text = self.process_request(request_id, prompt, params, arrival_time)
+                    arrival_time: float | None = None, *, lora_request: Any = None, priority: int = 0) -> None:
+        request, prompt_text = self.process_request(request_id, prompt, params, arrival_time,
+                                                    lora_request=lora_request, priority=priority)
         self.add_processed_request(request, prompt_text)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Always True: there is no prefix cache to reset (see AsyncLLM.reset_prefix_cache)."""
+        return True
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests by user request id (an n > 1 request's id aborts all its children)."""
