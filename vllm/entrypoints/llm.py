@@ -43,10 +43,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. lora_request must be None: LoRA is not supported."""
+                 use_tqdm: bool = True, lora_request: Any = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. lora_request must be None (no LoRA); priority (vLLM's, one per
+        prompt) None or all 0 (no priority scheduling)."""
         if lora_request is not None:
             raise ValueError("lora_request is not supported: this engine has no LoRA; pass lora_request=None.")
+        if priority is not None and any(p != 0 for p in priority):
+            raise ValueError(f"priority={list(priority)!r} is not supported: requests are scheduled first come, "
+                             "first served (no priority scheduling); pass priority=None.")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

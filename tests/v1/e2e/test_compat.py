@@ -135,6 +135,9 @@ def test_refused_requests_leave_the_engine_as_it_was(llm: LLM) -> None:
                      GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="lora_request is not supported: this engine has no LoRA"):
         llm.generate([{"prompt_token_ids": PROMPT_IDS}], GREEDY, use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match=r"priority=\[0, 2\] is not supported: .*pass priority=None\."):
+        llm.generate([{"prompt_token_ids": PROMPT_IDS}] * 2, GREEDY, use_tqdm=False, priority=[0, 2])
+    assert token_ids(llm.generate([{"prompt_token_ids": PROMPT_IDS}], GREEDY, use_tqdm=False, priority=[0])) == ref
     engine = llm.llm_engine
     with pytest.raises(ValueError, match="lora_request is not supported"):
         engine.add_request("x", {"prompt_token_ids": PROMPT_IDS}, GREEDY, lora_request=object())
