@@ -157,6 +157,27 @@ def test_reset_prefix_cache_and_model_config(llm: LLM) -> None:
     assert llm.llm_engine.model_config is llm.llm_engine.vllm_config.model_config
 
 
+def test_llm_engine_from_engine_args_vllm_signature(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's LLMEngine.from_engine_args(engine_args, usage_context, stat_loggers, enable_multiprocessing): the
+    core in its own process when asked, generating what the in-process engine of the `llm` fixture does."""
+    from vllm import LLMEngine
+
+    monkeypatch.setattr("vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING", False)
+    with pytest.raises(ValueError, match=r"stat_loggers is not supported: .*pass stat_loggers=None\."):
+        LLMEngine.from_engine_args(EngineArgs(device="cpu"), None, {"x": object()})
+    engine = LLMEngine.from_engine_args(EngineArgs(device="cpu", max_num_seqs=8, max_model_len=128),
+                                        usage_context="ENGINE_CONTEXT", enable_multiprocessing=True)
+    try:
+        assert engine.multiprocess_mode is True
+        engine.add_request("a", {"prompt_token_ids": PROMPT_IDS}, GREEDY)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+    finally:
+        engine.shutdown()
+    assert token_ids(done) == token_ids(llm.generate([{"prompt_token_ids": PROMPT_IDS}], GREEDY, use_tqdm=False))
+
+
 # ------------------------------------------------------------------------------------------------- AsyncLLMEngine
 
 def test_stat_loggers_refused() -> None:

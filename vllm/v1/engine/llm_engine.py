@@ -40,8 +40,26 @@ class LLMEngine:
         self.engine_core = EngineCoreClient.make_client(multiprocess_mode, False, vllm_config)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool | None = None) -> LLMEngine:
-        return cls(engine_args.create_engine_config(), multiprocess_mode)
+    def from_vllm_config(cls, vllm_config: VllmConfig, usage_context: Any = None, stat_loggers: Any = None,
+                         disable_log_stats: bool = False, *, enable_multiprocessing: bool = False,
+                         multiprocess_mode: bool | None = None) -> LLMEngine:
+        """vLLM's constructor. The engine core runs in its own process when `multiprocess_mode` says so, else when
+        `enable_multiprocessing` or VLLM_ENABLE_V1_MULTIPROCESSING asks for it. usage_context and disable_log_stats
+        have no effect (no usage stats; this engine keeps no offline stats); stat_loggers must be None."""
+        if stat_loggers is not None:
+            raise ValueError("stat_loggers is not supported: custom stat loggers cannot be added; pass "
+                             "stat_loggers=None.")
+        if multiprocess_mode is None:
+            multiprocess_mode = enable_multiprocessing or envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        return cls(vllm_config, multiprocess_mode)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: Any = None,
+                         enable_multiprocessing: bool = False, *,
+                         multiprocess_mode: bool | None = None) -> LLMEngine:
+        """vLLM's signature (see from_vllm_config)."""
+        return cls.from_vllm_config(engine_args.create_engine_config(), usage_context, stat_loggers,
+                                    enable_multiprocessing=enable_multiprocessing, multiprocess_mode=multiprocess_mode)
 
     @property
     def model_config(self) -> ModelConfig:
