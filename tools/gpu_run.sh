@@ -22,7 +22,7 @@ stages=${*:-"info tests backend mask attn throughput"}
 offline_run() {
   python3 benchmarks/benchmark_throughput.py --model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy \
     --skip-tokenizer-init --max-num-seqs 1024 --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 \
-    --top-k 512 --logprobs 1 --logprobs-mode processed_logprobs "$@" 2>&1 | grep "^| [0-9]"
+    --top-k 512 --logprobs 1 --logprobs-mode processed_logprobs "$@" 2>&1 | grep -e "^| [0-9]" -e "^step timing"
 }
 if [ "${CPU_SAMPLE:-0}" = 1 ]; then  # per-thread CPU use of the python processes, every 5 s, during all stages
   python3 tools/cpu_sample.py > "$OUT/cpu_sample.txt" 2>&1 & sampler=$!
@@ -117,7 +117,7 @@ for s in $stages; do
       order="$* $(printf '%s\n' "$@" | tac | tr '\n' ' ')"
       for t in $order; do for m in 0 1; do
         flags=""; [ "$m" = 1 ] && flags="--return-sampling-mask"
-        (cd "$t" && PYTHONPATH=/tmp/site:$PWD offline_run --num-prompts 1024 $flags ${OFFLINE_FLAGS:-} \
+        (cd "$t" && PYTHONPATH=/tmp/site:$PWD VLLM_ENGINE_STEP_TIMING=1 offline_run --num-prompts 1024 $flags ${OFFLINE_FLAGS:-} \
           | sed "s|^|$(basename "$t") mask=$m |" | tee -a "$OUT/offline_trees.txt")
       done; done ;;
     contention)  # the mask arm against CPU contention: clients counting masks from raw JSON, plus server and
