@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--logprobs", type=int, default=None)
     parser.add_argument("--warmup-prompts", type=int, default=8)
     parser.add_argument("--json-out", type=str, default=None)
+    parser.add_argument("--flat-logprobs", action="store_true", help="SamplingParams(flat_logprobs=True)")
     parser.add_argument("--async-engine", action="store_true",
                         help="An AsyncLLM in this process (engine core in its own) instead of the LLM class")
     args = parser.parse_args()
@@ -45,7 +46,8 @@ def main() -> None:
     if engine_args.max_model_len is None:
         engine_args.max_model_len = args.input_len + args.output_len + 16
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            logprobs=args.logprobs, max_tokens=args.output_len, ignore_eos=True)
+                            logprobs=args.logprobs, max_tokens=args.output_len, ignore_eos=True,
+                            flat_logprobs=args.flat_logprobs)
     timings: list[str] = []
     if args.async_engine:
         generate, vocab, close = async_generate(engine_args, params)

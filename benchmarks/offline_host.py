@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import frontend_serve  # noqa: E402
 
 
-def run(num_reqs: int, output_len: int, mask: bool, mask_size: int, repeats: int) -> dict:
+def run(num_reqs: int, output_len: int, mask: bool, mask_size: int, repeats: int, flat_logprobs: bool = False) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.v1.engine import core_client
 
@@ -51,7 +51,7 @@ def run(num_reqs: int, output_len: int, mask: bool, mask_size: int, repeats: int
     finally:
         core_client.InprocClient.__init__, core_client.SyncMPClient.__init__ = original_inproc, original_mp
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=512, logprobs=1, max_tokens=output_len,
-                            ignore_eos=True)
+                            ignore_eos=True, flat_logprobs=flat_logprobs)
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.vllm_config.model_config.vocab_size
     prompts = [{"prompt_token_ids": rng.integers(0, vocab, 128).tolist()} for _ in range(num_reqs)]
@@ -80,10 +80,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rounds", type=int, default=1, help="Arms A B, then B A, ...")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mask-size", type=int, default=506)
+    parser.add_argument("--flat-logprobs", action="store_true", help="SamplingParams(flat_logprobs=True)")
     parser.add_argument("--one", choices=["no-mask", "mask"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one is not None:  # one arm in this process: its result as JSON on the last line
-        r = run(args.num_reqs, args.output_len, args.one == "mask", args.mask_size, args.repeats)
+        r = run(args.num_reqs, args.output_len, args.one == "mask", args.mask_size, args.repeats, args.flat_logprobs)
         print(json.dumps(r))
         return [r]
     results = []
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for arm in args.arms if rnd % 2 == 0 else args.arms[::-1]:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", arm, "--num-reqs", str(args.num_reqs),
                    "--output-len", str(args.output_len), "--repeats", str(args.repeats), "--mask-size",
-                   str(args.mask_size)]
+                   str(args.mask_size), *(["--flat-logprobs"] if args.flat_logprobs else [])]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             r.update(round=rnd + 1, arm=arm)

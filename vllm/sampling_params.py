@@ -61,6 +61,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
     # Per-request opt-out of the sampling mask when the engine returns masks (beyond upstream). None means
     # "follow the engine flag".
     return_sampling_mask: bool | None = None
+    # vLLM's: the sample logprobs as one FlatLogprobs (vllm/logprobs.py) instead of a list of dicts, a constant
+    # number of objects per request for the garbage collector (offline and AsyncLLM callers; the HTTP server
+    # always builds its responses from dicts).
+    flat_logprobs: bool = False
 
     # Derived in __post_init__.
     output_text_buffer_length: int = 0

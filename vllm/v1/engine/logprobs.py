@@ -10,6 +10,7 @@ alive, which every full garbage collection walks (up to ~0.1 s each).
 
 from __future__ import annotations
 
+from vllm.logprobs import FlatLogprobs
 from vllm.outputs import Logprob, SampleLogprobs
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
@@ -29,21 +30,16 @@ class LogprobsProcessor:
 
     @classmethod
     def from_new_request(cls, tokenizer: Tokenizer | None, params: SamplingParams) -> LogprobsProcessor:
-        return cls(tokenizer if params.detokenize else None, params.logprobs,
-                   params.output_kind == RequestOutputKind.DELTA)
+        kind = FlatLogprobsProcessor if params.flat_logprobs else cls
+        return kind(tokenizer if params.detokenize else None, params.logprobs,
+                    params.output_kind == RequestOutputKind.DELTA)
 
     def update(self, new_logprobs: LogprobsLists | None, num_positions: int | None = None) -> None:
         """Append the dicts of the step's first `num_positions` positions (all of them when None)."""
         if self.logprobs is None or new_logprobs is None:
             return
-        token_ids, logprobs, ranks = new_logprobs.logprob_token_ids, new_logprobs.logprobs, \
-            new_logprobs.sampled_token_ranks
-        n = len(token_ids) if num_positions is None else min(num_positions, len(token_ids))
+        token_ids, logprobs, ranks, n = _rows(new_logprobs, num_positions)
         assert self.cumulative_logprob is not None
-        # NOTE: rows are numpy arrays in the engine's own process and Python lists after the trip from the
-        # engine-core process (serial_utils.unpack_step_arrays).
-        if not isinstance(token_ids, list):
-            token_ids, logprobs, ranks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
         tokenizer = self.tokenizer
         for p in range(n):
             row_ids: list[int] = token_ids[p]
@@ -62,6 +58,50 @@ class LogprobsProcessor:
         if self.delta:
             self.logprobs = []
         return out
+
+
+class FlatLogprobsProcessor(LogprobsProcessor):
+    """LogprobsProcessor for SamplingParams.flat_logprobs: the same positions, kept in one FlatLogprobs."""
+
+    def __init__(self, tokenizer: Tokenizer | None, num_logprobs: int | None, delta: bool = False) -> None:
+        super().__init__(tokenizer, num_logprobs, delta)
+        self.logprobs: FlatLogprobs | None = None if num_logprobs is None else FlatLogprobs()  # type: ignore[assignment]
+
+    def update(self, new_logprobs: LogprobsLists | None, num_positions: int | None = None) -> None:
+        flat = self.logprobs
+        if flat is None or new_logprobs is None:
+            return
+        token_ids, logprobs, ranks, n = _rows(new_logprobs, num_positions)
+        assert self.cumulative_logprob is not None
+        tokenizer = self.tokenizer
+        for p in range(n):
+            row_ids: list[int] = token_ids[p]
+            row_logprobs: list[float] = logprobs[p]
+            self.cumulative_logprob += row_logprobs[0]
+            # The sampled token's vocabulary rank, then the top N's ranks 1..N (as _make_logprob_dict gives them).
+            flat.append_position(row_ids, row_logprobs, [int(ranks[p]), *range(1, len(row_ids))],
+                                 tokenizer.decode_each(row_ids) if tokenizer is not None else None)
+
+    def last(self, num_new: int) -> FlatLogprobs | None:  # type: ignore[override]
+        flat = self.logprobs
+        if flat is None:
+            return None
+        out = flat[len(flat) - num_new:] if num_new else FlatLogprobs()
+        if self.delta:
+            self.logprobs = FlatLogprobs()  # type: ignore[assignment]
+        return out  # type: ignore[return-value]
+
+
+def _rows(new_logprobs: LogprobsLists, num_positions: int | None) -> tuple[list, list, list, int]:
+    """A step slice's (token ids, logprobs, ranks) rows as lists, and how many of its positions to take."""
+    token_ids, logprobs, ranks = new_logprobs.logprob_token_ids, new_logprobs.logprobs, \
+        new_logprobs.sampled_token_ranks
+    n = len(token_ids) if num_positions is None else min(num_positions, len(token_ids))
+    # NOTE: rows are numpy arrays in the engine's own process and Python lists after the trip from the
+    # engine-core process (serial_utils.unpack_step_arrays).
+    if not isinstance(token_ids, list):
+        token_ids, logprobs, ranks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
+    return token_ids, logprobs, ranks, n
 
 
 def _make_logprob_dict(token_ids: list[int], logprobs: list[float], decoded: list[str] | None,

@@ -293,7 +293,7 @@ class RequestState:
             logprobs = lp.last(num_new)
         else:
             token_ids = list(self.detokenizer.output_token_ids)
-            logprobs = None if lp.logprobs is None else list(lp.logprobs)
+            logprobs = None if lp.logprobs is None else lp.logprobs[:]  # a copy (a list, or a FlatLogprobs)
         sampling_mask: SamplingMask | None = None
         if self.has_masks:
             masks, texts = self.sampling_masks, self.sampling_mask_texts
