@@ -32,8 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from host_step import _model_config, _runner_output  # noqa: E402 (benchmarks/ is the script's folder)
-from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+from host_step import _runner_output, _vllm_config  # noqa: E402 (benchmarks/ is the script's folder)
 from vllm.v1.serving_gc import freeze_startup_heap
 from vllm.entrypoints.openai.protocol import CompletionRequest
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -86,10 +85,7 @@ def _params(mask: bool) -> SamplingParams:
 
 def engine_frames(num_reqs: int, num_clients: int, mask: bool, mask_size: int) -> tuple[list[Any], list[str]]:
     """The first client's frames of one decode step of `num_reqs` running requests, and that client's ids."""
-    config = VllmConfig(model_config=_model_config(),
-                        cache_config=CacheConfig(block_size=16),
-                        scheduler_config=SchedulerConfig(max_num_seqs=num_reqs,
-                                                         max_num_batched_tokens=max(8192, num_reqs * 8)))
+    config = _vllm_config(num_reqs)
     sched = Scheduler(config, max(num_reqs * 64, 100_000 // 16 + 1))  # room for one max_model_len request
     proc = _CaptureProc(num_clients)
     for i in range(num_reqs):

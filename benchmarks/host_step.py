@@ -55,13 +55,17 @@ class _SinkProc(EngineCoreProc):
         self.bytes_sent += sum(len(f) for f in self.encoder.encode_frames(payload))
 
 
-def _model_config() -> ModelConfig:
-    """A one-layer model's config, read from a folder removed once it is read (nothing here loads weights)."""
+def _vllm_config(num_reqs: int) -> VllmConfig:
+    """The engine config of a one-layer model with room for `num_reqs` running requests; the model's config is
+    read from a folder removed once it is read (nothing here loads weights)."""
     with tempfile.TemporaryDirectory(prefix="host-step-model-") as path:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump({"architectures": ["Qwen2ForCausalLM"], "vocab_size": VOCAB_SIZE, "hidden_size": 16,
                        "num_attention_heads": 2, "num_hidden_layers": 1, "max_position_embeddings": 1 << 20}, f)
-        return ModelConfig(model=path, max_model_len=100_000)
+        model_config = ModelConfig(model=path, max_model_len=100_000)
+    return VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=16),
+                      scheduler_config=SchedulerConfig(max_num_seqs=num_reqs,
+                                                       max_num_batched_tokens=max(8192, num_reqs * 8)))
 
 
 def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.random.Generator,
@@ -97,10 +101,7 @@ def _runner_output(req_ids: list[str], mask: bool, mask_size: int, rng: np.rando
 
 def run(num_reqs: int, num_clients: int, mask: bool, steps: int, mask_size: int, profile: str | None,
         async_scheduling: bool = False, row_settings: bool = True) -> dict:
-    config = VllmConfig(model_config=_model_config(),
-                        cache_config=CacheConfig(block_size=16),
-                        scheduler_config=SchedulerConfig(max_num_seqs=num_reqs,
-                                                         max_num_batched_tokens=max(8192, num_reqs * 8)))
+    config = _vllm_config(num_reqs)
     sched = (AsyncScheduler if async_scheduling else Scheduler)(config, max(num_reqs * 64, 100_000 // 16 + 1))
     proc = _SinkProc(num_clients)
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=512, logprobs=1, max_tokens=100_000,

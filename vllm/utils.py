@@ -13,6 +13,19 @@ def random_uuid() -> str:
     return uuid.uuid4().hex
 
 
+def refuse_lora_request(lora_request: object) -> None:
+    """vLLM's `lora_request` argument: only None (this engine has no LoRA)."""
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: this engine has no LoRA; pass lora_request=None.")
+
+
+def refuse_stat_loggers(stat_loggers: object) -> None:
+    """vLLM's `stat_loggers` argument of the engines' constructors: only None."""
+    if stat_loggers is not None:
+        raise ValueError("stat_loggers is not supported: custom stat loggers cannot be added (the engine's "
+                         "metrics are Prometheus ones, served at /metrics); pass stat_loggers=None.")
+
+
 def warning_once(logger: logging.Logger, message: str) -> None:
     """Log `message` at WARNING the first time this logger is given it in this process, then never again
     (configs are built more than once per engine, e.g. by `vllm serve`'s flag check and by the server)."""

@@ -13,6 +13,7 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
+from vllm.utils import refuse_lora_request
 from vllm.v1.engine.llm_engine import LLMEngine
 
 ChatMessage = dict[str, Any]
@@ -47,8 +48,7 @@ class LLM:
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. lora_request must be None (no LoRA); priority (vLLM's, one per
         prompt) None or all 0 (no priority scheduling)."""
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: this engine has no LoRA; pass lora_request=None.")
+        refuse_lora_request(lora_request)
         if priority is not None and any(p != 0 for p in priority):
             raise ValueError(f"priority={list(priority)!r} is not supported: requests are scheduled first come, "
                              "first served (no priority scheduling); pass priority=None.")

@@ -27,6 +27,7 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
+from vllm.utils import refuse_stat_loggers
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import AsyncMPClient, EngineCoreHandle, EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
@@ -145,9 +146,7 @@ class AsyncLLM:
                          disable_log_stats: bool = False) -> AsyncLLM:
         """vLLM's constructor. start_engine_loop and usage_context have no effect: the output loop starts with the
         first request either way, and no usage stats are collected."""
-        if stat_loggers is not None:
-            raise ValueError("stat_loggers is not supported: custom stat loggers cannot be added (the engine's "
-                             "metrics are Prometheus ones, served at /metrics); pass stat_loggers=None.")
+        refuse_stat_loggers(stat_loggers)
         return cls(vllm_config, log_stats=not disable_log_stats, log_requests=enable_log_requests)
 
     @classmethod

@@ -23,6 +23,7 @@ from vllm.config import VllmConfig
 from vllm.inputs import PROMPT_KEYS, PromptType
 from vllm.sampling_params import _SAMPLING_EPS, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, read_generation_eos_token_ids
+from vllm.utils import refuse_lora_request
 from vllm.v1.engine import EngineCoreRequest
 
 
@@ -126,8 +127,7 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: this engine has no LoRA; pass lora_request=None.")
+        refuse_lora_request(lora_request)
         if priority != 0:
             raise ValueError(f"priority={priority!r} is not supported: requests are scheduled first come, first "
                              "served (no priority scheduling); pass priority=0.")

@@ -21,6 +21,7 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
+from vllm.utils import refuse_stat_loggers
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.input_processor import InputProcessor
@@ -46,9 +47,7 @@ class LLMEngine:
         """vLLM's constructor. The engine core runs in its own process when `multiprocess_mode` says so, else when
         `enable_multiprocessing` or VLLM_ENABLE_V1_MULTIPROCESSING asks for it. usage_context and disable_log_stats
         have no effect (no usage stats; this engine keeps no offline stats); stat_loggers must be None."""
-        if stat_loggers is not None:
-            raise ValueError("stat_loggers is not supported: custom stat loggers cannot be added; pass "
-                             "stat_loggers=None.")
+        refuse_stat_loggers(stat_loggers)
         if multiprocess_mode is None:
             multiprocess_mode = enable_multiprocessing or envs.VLLM_ENABLE_V1_MULTIPROCESSING
         return cls(vllm_config, multiprocess_mode)
