@@ -70,6 +70,8 @@ SCENARIOS = [
     (4, {"packed": True}, None),  # vLLM's defaults: one 1 GiB buffer holds everything
     (5, {"packed": True, "packed_buffer_size_bytes": 1, "packed_num_buffers": 2}, None),  # all oversized
 ]
+# the trainer's own pipelining depth: it need not match the workers' (only the buffer size sets the layout)
+TRAINER_OVERRIDES = {1: {"packed_num_buffers": 2}, 3: {"packed_num_buffers": 3}}
 
 
 def _trainer(master_port: int, default_port: int, device: str, updates: mp.Queue, results: mp.Queue) -> None:
@@ -83,7 +85,7 @@ def _trainer(master_port: int, default_port: int, device: str, updates: mp.Queue
         for seed, options, _ in SCENARIOS:
             tensors = [(n, t.to(device)) for n, t in _make_tensors(seed)]
             updates.put(update_info_from_tensors(tensors, **options))
-            args = {"group": group, **{k: v for k, v in options.items()}}
+            args = {"group": group, **options, **TRAINER_OVERRIDES.get(seed, {})}
             NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), args)
         total = torch.ones(1)
         dist.all_reduce(total)  # the default group still works after the transfers

@@ -8,8 +8,8 @@ caller's default process group.
 update_info `{"names", "dtype_names", "shapes", "packed"=False, "packed_buffer_size_bytes"=1 GiB,
 "packed_num_buffers"=2}`. Unpacked, each tensor is one broadcast; packed, tensors travel in buffers laid out
 by packed_tensor.plan_batches. The trainer must call `trainer_send_weights` with the same tensors in the same
-order and the same packing options, while the workers run `receive_weights` (the trainer typically posts
-/update_weights from a thread, then sends).
+order, the same `packed` and `packed_buffer_size_bytes`, while the workers run `receive_weights` (the trainer
+typically posts /update_weights from a thread, then sends).
 
 Trainer side, as in vLLM:
     group = NCCLWeightTransferEngine.trainer_init({"master_address": ..., "master_port": ..., "world_size": n})
@@ -64,9 +64,10 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
 class NCCLWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    """Both sides must use the same value (the layout depends on it)."""
+    """The trainer must use the same value: the layout depends on it."""
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    """Buffers in flight; both sides must use the same value."""
+    """Batches in flight on this side. NOTE: vLLM asks both sides to agree; here each side's value only sets
+    its own pipelining depth, so a mismatch is harmless."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -162,7 +163,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
                              trainer_args: NCCLTrainerSendWeightsArgs | dict[str, Any]) -> None:
         """Broadcast every (name, tensor) of `iterator`, in order, to the workers; returns when all bytes have
         left, so the trainer may then change its tensors. The workers' update_info must list the same tensors
-        in the same order with the same packed / packed_buffer_size_bytes / packed_num_buffers."""
+        in the same order with the same packed / packed_buffer_size_bytes."""
         if isinstance(trainer_args, dict):
             known = {f.name for f in fields(NCCLTrainerSendWeightsArgs)}
             unknown = sorted(str(k) for k in trainer_args if k not in known)

@@ -12,7 +12,8 @@ With `buffer_size_bytes=0` every non-empty tensor is its own unpacked batch: tha
 
 Pipelining: up to `num_buffers` batches are in flight. A packed batch uses buffer `k % num_buffers` (k
 counts packed batches). The trainer waits for a buffer's previous broadcast before refilling it; the worker
-posts the receive of batch i + num_buffers only once the caller has taken every tensor of batch i.
+posts the receive of batch i + num_buffers only once the caller has taken every tensor of batch i. Each
+side's `num_buffers` is its own: the collectives are the batches in order whatever the depth.
 
 vLLM packs with torch.cat and closes a batch after the tensor that crosses the size (so a batch can exceed
 it); this layout is this project's own, shared by this package's trainer and worker sides.
