@@ -55,8 +55,10 @@ class WeightTransferGroup:
         self._check_peers()
         store = dist.PrefixStore(f"{_KEY}/pg", self._store)
         if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
+            options = dist.ProcessGroupNCCL.Options()  # as torch.distributed's own NCCL groups are built
+            options.is_high_priority_stream = False
             options._timeout = timeout
+            options.group_name = _KEY
             self._pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
         else:
             self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
