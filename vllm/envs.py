@@ -83,5 +83,8 @@ _VARS = {
     # "row" (vllm/v1/sample/ops/topk_select.py; the same outputs bit for bit, measured in docs/benchmarks.md).
     "VLLM_TOPK_SELECT_IMPL": lambda: _str("VLLM_TOPK_SELECT_IMPL"),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
+    # vLLM's: mount the server's admin endpoints (pause/resume, weight updates, collective_rpc: docs/rl.md); they
+    # load files and run worker methods by name, so only on a trusted network. `--enable-rl-endpoints` does too.
+    "VLLM_SERVER_DEV_MODE": lambda: _bool("VLLM_SERVER_DEV_MODE", False),
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -140,6 +141,11 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sampling_mask: SamplingMask | None = None
+    # Which weights computed which tokens: [weight version, first token, end] spans over this completion's tokens
+    # (positions count from its first token, also in a streamed delta), in order; a request that ran across a
+    # weight update has two spans. The version is the one given to finish_weight_update / update_weight_version
+    # (None: weights never named). None until the engine's weights have a name.
+    weight_versions: list[list[Any]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,8 +44,11 @@ class VllmConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    # vllm.config.weight_transfer.WeightTransferConfig, or None: the default backend (nccl) when one is needed.
+    weight_transfer_config: Any = None
 
     def __post_init__(self) -> None:
+        self.model_config.dtype = self.dtype  # NOTE: resolved, as vLLM's worker extensions read it
         assert self.model_config.max_model_len is not None
         self.scheduler_config.max_model_len = self.model_config.max_model_len
         if self.scheduler_config.async_scheduling is None:

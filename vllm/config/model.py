@@ -43,8 +43,9 @@ class ModelConfig:
     """Tokenizer folder; the model folder when not given."""
     served_model_name: str | None = None
     """Model name reported by the API; the model path when not given."""
-    dtype: str = "auto"
-    """Weights and activations dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16."""
+    dtype: str | torch.dtype = "auto"
+    """Weights and activations dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16. Once
+    the engine's config is built (VllmConfig), the torch dtype it resolved to, as in vLLM."""
     seed: int = 0
     """Seed of the engine's random state (requests without their own seed)."""
     max_model_len: int | None = None
@@ -87,7 +88,7 @@ class ModelConfig:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}.")
-        if self.dtype != "auto" and self.dtype not in _STR_TO_DTYPE:
+        if self.dtype != "auto" and self.dtype not in _STR_TO_DTYPE and self.dtype not in _STR_TO_DTYPE.values():
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}.")
         if self.cudagraph_capture_sizes is not None and any(s < 1 for s in self.cudagraph_capture_sizes):
             raise ValueError(f"cudagraph_capture_sizes must be positive, got {self.cudagraph_capture_sizes}.")
@@ -119,6 +120,8 @@ class ModelConfig:
         return self.served_model_name or str(self.model)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
         if self.dtype != "auto":
             return _STR_TO_DTYPE[self.dtype]
         if device.type == "cpu":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 # NOTE: vLLM's names for a single worker (uni) and for worker processes (mp); both run the one executor here.
@@ -21,8 +22,13 @@ class ParallelConfig:
     external_launcher are refused."""
     enable_expert_parallel: bool = False
     """Only False: there is no expert parallelism (nor a mixture-of-experts model)."""
+    worker_extension_cls: str = ""
+    """Import path of a class whose methods are added to the worker ("package.module.ClassName"), for
+    collective_rpc (RL frameworks' weight-sync code). It is imported in the engine process: trusted code only."""
 
     def __post_init__(self) -> None:
+        if self.worker_extension_cls:
+            resolve_worker_extension(self.worker_extension_cls)  # NOTE: here, so that a bad path fails early
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: this engine "
                              "runs on one device; use --tensor-parallel-size 1.")
@@ -35,3 +41,17 @@ class ParallelConfig:
         if self.enable_expert_parallel:
             raise ValueError("enable_expert_parallel=True is not supported: this engine has no expert parallelism; "
                              "use enable_expert_parallel=False (--no-enable-expert-parallel).")
+
+
+def resolve_worker_extension(qualname: str | type) -> type:
+    """The class named by an import path ("pkg.module.Class"); ValueError when it cannot be imported."""
+    if isinstance(qualname, type):
+        return qualname
+    module_name, _, class_name = str(qualname).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name, None) if module_name else None
+    except ImportError as e:
+        raise ValueError(f"worker_extension_cls {qualname!r} cannot be imported: {e}") from e
+    if not isinstance(cls, type):
+        raise ValueError(f"worker_extension_cls {qualname!r} is not a class (expected 'package.module.ClassName').")
+    return cls

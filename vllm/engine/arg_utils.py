@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any
 
+from vllm.utils import SLEEP_MODE_UNSUPPORTED
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
 _CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
@@ -73,6 +74,13 @@ class EngineArgs:
     offline engine (LLM, LLMEngine) keeps no stats either way."""
     enable_lora: bool = False
     """Only False: LoRA adapters are not supported (merge an adapter into the weights instead)."""
+    worker_extension_cls: str = ""
+    weight_transfer_config: Any = None
+    """How weight updates reach the engine (docs/rl.md): JSON such as '{"backend": "nccl"}' (the default), "ipc"
+    (CUDA IPC handles from a process on the same GPU) or "disk" (a folder of safetensors); a dict or a
+    WeightTransferConfig from Python."""
+    enable_sleep_mode: bool = False
+    """Only False: sleep mode is not supported yet (the engine keeps its GPU memory between rollouts)."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
@@ -100,6 +108,8 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> VllmConfig:
+        if self.enable_sleep_mode:
+            raise ValueError(f"enable_sleep_mode=True: {SLEEP_MODE_UNSUPPORTED}")
         if self.enable_lora:
             raise ValueError("enable_lora=True is not supported: this engine has no LoRA; use enable_lora=False "
                              "(--no-enable-lora) and merge the adapter into the model's weights.")
@@ -123,8 +133,10 @@ class EngineArgs:
                                            enable_batch_sharded_sampling=self.enable_batch_sharded_sampling,
                                            pipeline_parallel_size=self.pipeline_parallel_size,
                                            distributed_executor_backend=self.distributed_executor_backend,
-                                           enable_expert_parallel=self.enable_expert_parallel),
-            device_config=DeviceConfig(device=self.device))
+                                           enable_expert_parallel=self.enable_expert_parallel,
+                                           worker_extension_cls=self.worker_extension_cls or ""),
+            device_config=DeviceConfig(device=self.device),
+            weight_transfer_config=_weight_transfer_config(self.weight_transfer_config))
 
     def replace(self, **kwargs: Any) -> EngineArgs:
         return dataclasses.replace(self, **kwargs)
@@ -136,6 +148,13 @@ class AsyncEngineArgs(EngineArgs):
 
     enable_log_requests: bool = False
     """Log each request as it is added (its id, prompt length and sampling params) at INFO."""
+
+
+def _weight_transfer_config(value: Any) -> Any:
+    if value is None:
+        return None
+    from vllm.config.weight_transfer import WeightTransferConfig
+    return WeightTransferConfig.parse(value)
 
 
 def _parse_int_list(value: str) -> list[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -13,7 +13,7 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
-from vllm.utils import refuse_lora_request
+from vllm.utils import refuse_lora_request, refuse_sleep_mode
 from vllm.v1.engine.llm_engine import LLMEngine
 
 ChatMessage = dict[str, Any]
@@ -49,6 +49,9 @@ class LLM:
         """One RequestOutput per prompt, in order. lora_request must be None (no LoRA); priority (vLLM's, one per
         prompt) None or all 0 (no priority scheduling)."""
         refuse_lora_request(lora_request)
+        if self.llm_engine.is_paused():
+            raise ValueError("The engine is paused: its requests would wait until resume_generation(); call "
+                             "llm.llm_engine.resume_generation() first.")
         if priority is not None and any(p != 0 for p in priority):
             raise ValueError(f"priority={list(priority)!r} is not supported: requests are scheduled first come, "
                              "first served (no priority scheduling); pass priority=None.")
@@ -91,6 +94,42 @@ class LLM:
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Always True: there is no prefix cache to reset (see AsyncLLM.reset_prefix_cache)."""
         return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    # ------------------------------------------------------------------ the RL lifecycle (docs/rl.md)
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a worker method (by name: the worker's or its `worker_extension_cls`'s; or a callable taking the
+        worker first) on every worker; one result per worker."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def init_weight_transfer_engine(self, init_info: Any) -> None:
+        """Join the trainer's weight-transfer group (nccl: {"master_address", "master_port", "rank_offset",
+        "world_size"}; ipc, disk: {}); also takes {"init_info": {...}}."""
+        self.llm_engine.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.llm_engine.start_weight_update(is_checkpoint_format)
+
+    def update_weights(self, update_info: Any) -> None:
+        """Receive weights ({"names", "dtype_names", "shapes", ...} for nccl and ipc, {"path"} for disk) into the
+        model's parameters; checked whole first, a refused update changes no weight."""
+        self.llm_engine.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm_engine.finish_weight_update(weight_version)
+
+    def get_weight_version(self) -> str | None:
+        return self.llm_engine.get_weight_version()
+
+    def sleep(self, level: int = 1) -> None:
+        refuse_sleep_mode()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        refuse_sleep_mode()
+
+    def is_sleeping(self) -> bool:
+        return False
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

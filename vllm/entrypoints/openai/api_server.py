@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an AsyncLLM.
 
 Endpoints: GET /v1/models, /health, /version, /metrics; POST /v1/completions, /v1/chat/completions,
-/inference/v1/generate. Errors are OpenAI-style `{"error": {message, type, param, code}}`: invalid input 400
+/inference/v1/generate; with VLLM_SERVER_DEV_MODE=1 or --enable-rl-endpoints the admin endpoints of RL training
+loops (admin.py: pause/resume, weight updates, collective_rpc). Errors are OpenAI-style
+`{"error": {message, type, param, code}}`: invalid input 400
 (validation errors included, never 422), unknown model 404, missing or wrong key under --api-key 401, a dead
-engine 500.
+engine or any unexpected error 500 (still an OpenAI body).
 
 Invariants:
 - A request is fully validated before it reaches the engine core, so a bad request never disturbs the others.
@@ -49,6 +51,7 @@ import vllm
 from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
 from vllm.profiling import maybe_cprofile
+from vllm.entrypoints.openai.admin import attach_admin_router
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -171,7 +174,9 @@ def _respond(result: Any) -> Response:
     return JSONResponse(result.model_dump())
 
 
-def build_app(engine: AsyncLLM, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints: bool = False) -> FastAPI:
+    """The app; the admin endpoints of RL training loops (admin.py) only with enable_rl_endpoints or
+    VLLM_SERVER_DEV_MODE=1."""
     app = FastAPI(title="vllm", version=vllm.__version__)
     mc = engine.model_config
     names = [mc.served_model_name or str(mc.model)]
@@ -204,6 +209,15 @@ def build_app(engine: AsyncLLM, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(str(exc.detail), exc.status_code, "NotFoundError" if exc.status_code == 404 else "HTTPError")
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        # NOTE: an OpenAI error body, never Starlette's text/plain 500.
+        logger.exception("Unexpected error while handling %s %s", request.method, request.url.path)
+        return _error(f"Internal server error: {type(exc).__name__}: {exc}", 500, "InternalServerError")
+
+    if enable_rl_endpoints or envs.VLLM_SERVER_DEV_MODE:
+        attach_admin_router(app, engine)
 
     @app.get("/health")
     async def health() -> Response:
@@ -246,6 +260,10 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level.")
+    parser.add_argument("--enable-rl-endpoints", action="store_true", default=False,
+                        help="Mount the admin endpoints of RL training loops (pause/resume, weight updates, "
+                             "collective_rpc; docs/rl.md), as VLLM_SERVER_DEV_MODE=1 does. They load files and run "
+                             "worker methods by name: trusted networks only.")
     parser.add_argument("--api-server-count", "-asc", type=int, default=1,
                         help="API server processes in front of the one engine core; more than 1 spreads the "
                              "per-token HTTP/JSON work of many concurrent streams over several CPU cores.")
@@ -294,7 +312,7 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
     engine = AsyncLLM(vllm_config or make_vllm_config(args), log_stats=not args.disable_log_stats,
                       core_handle=core_handle, log_requests=args.enable_log_requests)
     try:
-        app = build_app(engine, args.api_key)
+        app = build_app(engine, args.api_key, getattr(args, "enable_rl_endpoints", False))
         # NOTE: everything built so far (imports, torch among them, the app, the engine client) lives as long as
         # the process: frozen, it is left out of every later collection (each full one would walk ~200k objects,
         # ~0.1 s without serving any stream); then the serving thresholds (vllm/v1/serving_gc.py).

@@ -113,6 +113,14 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class WeightVersionSpan(OpenAIBaseModel):
+    """Tokens [start, end) of a choice (counted from its first token, also in a streamed chunk) were computed by
+    the weights named `weight_version` (the name given to finish_weight_update / update_weight_version)."""
+    weight_version: str | None = None
+    start: int
+    end: int
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
@@ -122,6 +130,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     sampling_mask: list[list[int]] | None = None
+    # Only once the engine's weights were named (RL weight updates, docs/rl.md): None until then.
+    weight_versions: list[WeightVersionSpan] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -186,6 +196,8 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     sampling_mask: list[list[int]] | None = None
+    # Only once the engine's weights were named (RL weight updates, docs/rl.md): None until then.
+    weight_versions: list[WeightVersionSpan] | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -211,6 +223,8 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     sampling_mask: list[list[int]] | None = None
+    # Only once the engine's weights were named (RL weight updates, docs/rl.md): None until then.
+    weight_versions: list[WeightVersionSpan] | None = None
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -255,6 +269,8 @@ class GenerateResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     token_ids: list[int] | None = None
     sampling_mask: list[list[int]] | None = None
+    # Only once the engine's weights were named (RL weight updates, docs/rl.md): None until then.
+    weight_versions: list[WeightVersionSpan] | None = None
 
 
 class GenerateResponse(OpenAIBaseModel):

@@ -17,7 +17,7 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComplet
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
                                               random_uuid)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
-                                                    with_mask_texts)
+                                                    weight_spans, with_mask_texts)
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.async_llm import OutputStream
 
@@ -87,7 +87,8 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0) if request.logprobs
             else None,
             token_ids=list(c.token_ids) if request.return_token_ids else None,
-            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None and text is None else None)
+            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None and text is None else None,
+            weight_versions=weight_spans(c))
             for c, text in zip(outputs, texts)]
         num_prompt = len(final.prompt_token_ids or [])
         num_completion = sum(len(c.token_ids) for c in final.outputs)
@@ -112,7 +113,8 @@ class OpenAIServingChat(OpenAIServing):
                     stop_reason=c.stop_reason,
                     logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
                     if request.logprobs else None,
-                    token_ids=list(c.token_ids) if request.return_token_ids else None)
+                    token_ids=list(c.token_ids) if request.return_token_ids else None,
+                    weight_versions=weight_spans(c))
                 chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])
                 text = c.sampling_mask.json_text() if c.sampling_mask is not None else None
                 if text is None:

@@ -16,7 +16,8 @@ from typing import Any
 import msgspec
 
 from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
-from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServing, SSEStream, sse, with_mask_texts
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, sse, weight_spans,
+                                                    with_mask_texts)
 from vllm.inputs import PromptType
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import OutputStream
@@ -107,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if c.sampling_mask is not None:
             text = c.sampling_mask.json_text() if raw_mask else None
             mask = msgspec.Raw(text) if text is not None else c.sampling_mask.token_ids
-        return {
+        choice = {
             "index": index, "text": prefix + c.text,
             "logprobs": (self.completion_logprobs(c.token_ids, c.logprobs, request.logprobs or 0, text_offset)
                          if request.logprobs is not None else None),
@@ -116,6 +117,9 @@ class OpenAIServingCompletion(OpenAIServing):
             "prompt_token_ids": list(out.prompt_token_ids or []) if request.return_token_ids and first else None,
             "sampling_mask": mask,
         }
+        if c.weight_versions:  # NOTE: the key only once the engine's weights were named
+            choice["weight_versions"] = weight_spans(c)
+        return choice
 
     @staticmethod
     def _chunk(base_id: str, created: int, model: str, choices: list[dict[str, Any]],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 import msgspec
 from pydantic import BaseModel
@@ -45,6 +46,15 @@ def sse(obj: BaseModel | dict) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def weight_spans(c: CompletionOutput) -> list[dict[str, Any]] | None:
+    """The choice's `weight_versions` field: its [version, start, end] spans as objects; None until the engine's
+    weights were named (responses stay as they were without RL weight updates)."""
+    spans = c.weight_versions
+    if not spans:
+        return None
+    return [{"weight_version": v, "start": s, "end": e} for v, s, e in spans]
 
 
 def mask_texts(outputs: Sequence[CompletionOutput]) -> list[bytes | None]:

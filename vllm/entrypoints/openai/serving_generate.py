@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
                                               GenerateStreamResponse, UsageInfo)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
-                                                    with_mask_texts)
+                                                    weight_spans, with_mask_texts)
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import OutputStream
 
@@ -26,7 +26,8 @@ class OpenAIServingGenerate(OpenAIServing):
         return GenerateResponseChoice(
             index=c.index, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
             logprobs=self.chat_logprobs(c.token_ids, c.logprobs, num_logprobs) if c.logprobs is not None else None,
-            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None and with_mask else None)
+            sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None and with_mask else None,
+            weight_versions=weight_spans(c))
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse | dict | SSEStream:
         self.model_name(request.model)

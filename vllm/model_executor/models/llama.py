@@ -154,32 +154,59 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face named tensors; returns the names of the parameters that are now fully loaded."""
-        params = dict(self.named_parameters())
         shards_seen: dict[str, set[str | int]] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            route = self.route_checkpoint_weight(name)
+            if route is None:
                 continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            for param_suffix, weight_suffix, shard_id in self.stacked_params_mapping:
-                if weight_suffix + "." not in name:
-                    continue
-                param_name = name.replace(weight_suffix + ".", param_suffix + ".")
-                param = self._param(params, param_name, name)
+            param_name, param, shard_id = route
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(param_name)
+            else:
                 param.weight_loader(param, tensor, shard_id)
                 shards_seen.setdefault(param_name, set()).add(shard_id)
-                break
-            else:
-                param = self._param(params, name, name)
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded.add(name)
         for param_name, seen in shards_seen.items():
             module_name = param_name.rsplit(".", 1)[0]
             expected = {s for p, _, s in self.stacked_params_mapping if module_name.endswith(p)}
             if seen >= expected:
                 loaded.add(param_name)
         return loaded
+
+    def route_checkpoint_weight(self, name: str) -> tuple[str, nn.Parameter, str | int | None] | None:
+        """Where the checkpoint tensor `name` goes: (parameter name, parameter, shard id or None for the whole
+        parameter), or None for a tensor the model does not keep (rotary inv_freq, a tied lm_head). ValueError
+        for a name that matches no parameter."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if self.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        params = self._params_by_name()
+        for param_suffix, weight_suffix, shard_id in self.stacked_params_mapping:
+            if weight_suffix + "." in name:
+                param_name = name.replace(weight_suffix + ".", param_suffix + ".")
+                return param_name, self._param(params, param_name, name), shard_id
+        return name, self._param(params, name, name), None
+
+    def checkpoint_weight_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape the checkpoint tensor `name` must have (None: a tensor the model skips); ValueError for a
+        name that matches no parameter."""
+        route = self.route_checkpoint_weight(name)
+        if route is None:
+            return None
+        _, param, shard_id = route
+        if shard_id is None:
+            return tuple(param.shape)
+        _, size = param.weight_loader.__self__.shard_offsets[shard_id]  # type: ignore[attr-defined]
+        return (size, *param.shape[1:])
+
+    def _params_by_name(self) -> dict[str, nn.Parameter]:
+        params = self.__dict__.get("_params_cache")
+        if params is None:
+            params = dict(self.named_parameters())
+            self.__dict__["_params_cache"] = params
+        return params
 
     def _param(self, params: dict[str, nn.Parameter], param_name: str, checkpoint_name: str) -> nn.Parameter:
         if param_name not in params:

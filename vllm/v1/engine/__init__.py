@@ -7,6 +7,7 @@ reasons come out. Text never crosses this boundary.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -77,6 +78,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # on the wire, or `materialize`d for in-process use (`materialize_step_rows`).
     step_logprobs: Any = None
     step_masks: Any = None
+    # The weight version (EngineCore.weight_version) of the weights that computed this step's tokens.
+    weight_version: str | None = None
 
     def resolve_step_rows(self) -> None:
         """Build deferred sampling masks now (a PendingStepMasks in step_masks, VLLM_ENGINE_DEFER_MASK_LISTS) and
@@ -105,3 +108,14 @@ class EngineCoreRequestType(enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x03"
+
+
+class Deferred:
+    """An engine-core utility call's result that is ready only after more steps (EngineCore.pause_generation):
+    the caller keeps stepping the engine, sending the outputs as usual, until `ready()`, then takes `result()`."""
+
+    __slots__ = ("ready", "result")
+
+    def __init__(self, ready: Callable[[], bool], result: Callable[[], Any]) -> None:
+        self.ready = ready
+        self.result = result

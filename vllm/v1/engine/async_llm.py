@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from vllm.config import VllmConfig
@@ -27,7 +27,7 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
-from vllm.utils import refuse_stat_loggers
+from vllm.utils import refuse_sleep_mode, refuse_stat_loggers, unwrap_info
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import AsyncMPClient, EngineCoreHandle, EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
@@ -240,11 +240,94 @@ class AsyncLLM:
         """Always False: sleep mode is not supported, the engine is always awake."""
         return False
 
+    async def sleep(self, level: int = 1) -> None:
+        refuse_sleep_mode()
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        refuse_sleep_mode()
+
+    # ------------------------------------------------------------------ the RL lifecycle (docs/rl.md)
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        await self.check_health()
+        self._ensure_output_handler()  # NOTE: it reads the results off the output socket
+        return await self.engine_core.call_utility_async(method, *args, **kwargs)
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True,
+                               wait_for_inflight_requests: bool | None = None) -> None:
+        """Pause generation in the engine core (for every API server of it); returns once paused:
+        - "abort": every running and waiting request ends now, finish_reason "abort", with its partial output;
+        - "wait": the requests already in the engine run to completion first;
+        - "keep": nothing is scheduled; the requests keep their KV blocks and places and go on after resume.
+        Requests added while paused wait in the engine and run after `resume_generation()`. clear_cache: there is
+        no prefix cache to clear. wait_for_inflight_requests (vLLM's older argument): True is mode "wait"."""
+        if wait_for_inflight_requests:
+            mode = "wait"
+        await self._call("pause_generation", mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        """Resume after a pause (ValueError when not paused)."""
+        await self._call("resume_generation")
+
+    async def is_paused(self) -> bool:
+        return await self._call("is_paused")
+
+    async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a worker method (by name, or a picklable callable taking the worker first) on every worker, after
+        the steps in flight; one result per worker. TimeoutError after `timeout` seconds (the call itself runs
+        on)."""
+        call = self._call("collective_rpc", method, timeout, tuple(args), kwargs)
+        return await (asyncio.wait_for(call, timeout) if timeout is not None else call)
+
+    async def init_weight_transfer_engine(self, init_info: Any) -> None:
+        """Join the trainer's weight-transfer group ({"master_address", "master_port", "rank_offset",
+        "world_size"} for nccl; {} for ipc and disk); also takes {"init_info": {...}}."""
+        await self._call("init_weight_transfer_engine", unwrap_info(init_info, "init_info"))
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        """Begin an update: generation stops (the steps in flight finish first) until finish_weight_update."""
+        await self._call("start_weight_update", is_checkpoint_format)
+
+    async def update_weights(self, update_info: Any) -> None:
+        """Receive weights and copy them into the model (checked whole first: a refused update changes nothing)."""
+        await self._call("update_weights", unwrap_info(update_info, "update_info"))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """End the update; later tokens carry `weight_version` (when given) in their outputs."""
+        await self._call("finish_weight_update", weight_version)
+
+    async def get_weight_version(self) -> str | None:
+        return await self._call("get_weight_version")
+
+    async def update_weight_version(self, new_version: str | None) -> None:
+        await self._call("update_weight_version", new_version)
+
+    async def weight_info(self) -> dict[str, Any]:
+        return await self._call("weight_info")
+
+    async def load_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
+        """A whole update from a folder of safetensors (prime-rl's /update_weights {"weight_dir"}), whatever the
+        configured backend: start, load (checked whole first), finish."""
+        await self._call("start_weight_update", True)
+        try:
+            await self._call("collective_rpc", "load_weights_from_disk", None, (path,), None)
+        finally:
+            await self._call("finish_weight_update", weight_version)
+
     async def abort(self, request_id: str | list[str]) -> None:
         self._abort_now([request_id] if isinstance(request_id, str) else list(request_id))
 
-    def _abort_now(self, request_ids: list[str]) -> None:
-        """Forget the requests here and send ABORT to the core without waiting (safe inside `finally`)."""
+    async def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        """Abort these requests of this frontend, or (none given) every request of the engine core, whichever
+        frontend sent it; each ends with finish_reason "abort" and its partial output. Returns how many."""
+        if request_ids:
+            return len(self._abort_now(list(request_ids)))
+        return await self._call("abort_all_requests")
+
+    def _abort_now(self, request_ids: list[str]) -> list[str]:
+        """Forget the requests here and send ABORT to the core without waiting (safe inside `finally`); returns
+        the engine-core ids that were running."""
         aborted = self.output_processor.abort_requests(request_ids)
         if self.log_stats:
             self.stat_logger.record_finished(self.request_stats.abort(aborted))
@@ -252,6 +335,7 @@ class AsyncLLM:
             task = asyncio.get_running_loop().create_task(self.engine_core.abort_requests_async(aborted))
             self._background_tasks.add(task)
             task.add_done_callback(self._background_tasks.discard)
+        return aborted
 
     async def _run_output_handler(self) -> None:
         try:
@@ -278,7 +362,7 @@ class AsyncLLM:
             self.engine_core.dead_error = EngineDeadError(f"The output handler failed: {e!r}")
 
     async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.weight_version)
         if processed.reqs_to_abort:
             await self.engine_core.abort_requests_async(processed.reqs_to_abort)
         if self.log_stats:
@@ -287,6 +371,7 @@ class AsyncLLM:
                 self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
 
     def _fail_all(self, error: BaseException) -> None:
+        self.engine_core.fail_calls(error)
         queues = {id(s.queue): s.queue for s in self.output_processor.request_states.values() if s.queue is not None}
         for queue in queues.values():
             queue.put_nowait(error)

@@ -19,6 +19,22 @@ scheduled after step N's update), only the host work on step N's outputs moves f
 N+2 to after it, off the path that keeps the device fed. With VLLM_ENGINE_DEFER_MASK_LISTS the step's
 sampling-mask lists move there too: `step()` then returns them pending (a PendingStepMasks), and the caller
 builds them with `EngineCoreOutputs.resolve_step_rows()` before it hands the outputs on.
+
+The RL lifecycle (docs/rl.md) runs here, between steps, as utility calls (`UTILITY_METHODS`; the engine-core
+process and the in-process client call them by name):
+- Pause: `pause_generation(mode)` holds every request added while paused (Scheduler.held) until
+  `resume_generation()`. Mode "abort" finishes every request now (an ABORT output each, with no new token);
+  "wait" lets the requests already there finish; "keep" schedules nothing (Scheduler.halted), the requests keep
+  their KV blocks and places. The call's result is a `Deferred`, ready once the batch queue has drained (and,
+  for "wait", the requests finished): the caller keeps stepping until then.
+- Weight updates: `start_weight_update` halts scheduling and drains the batch queue (its steps' outputs go to
+  `pending_outputs`), so no step is in flight and none starts while weights are copied; `update_weights` moves
+  weights into the existing parameters (the worker: vllm/v1/worker/weight_update.py); `finish_weight_update`
+  sets the new `weight_version` and lifts the halt (unless paused in keep mode). Every step's outputs carry the
+  weight version that computed them.
+- `collective_rpc` runs a worker method (or a worker extension's, `worker_extension_cls`) after draining.
+Outputs made outside a step (the drained steps', the aborts of a pause) wait in `pending_outputs`; the caller
+sends them before anything else, and before the call's result.
 """
 
 from __future__ import annotations
@@ -26,27 +42,30 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine import Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from vllm.v1.metrics.step_timing import StepTimer
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
-from vllm.v1.worker.worker import Worker
+from vllm.v1.worker.worker import Worker, make_worker
 
 logger = logging.getLogger(__name__)
 
 _BATCH_QUEUE_SIZE = 2
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class EngineCore:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
-        self.worker = Worker(vllm_config)
+        self.worker: Worker = make_worker(vllm_config)
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_kv_cache(num_blocks)
         self.worker.compile_or_warm_up_model()
@@ -63,6 +82,11 @@ class EngineCore:
             copier.timer = self.step_timer
             copier.device_timing = envs.VLLM_ENGINE_STEP_TIMING
             copier.defer_mask_lists = envs.VLLM_ENGINE_DEFER_MASK_LISTS
+        # The RL lifecycle (module docstring).
+        self.pause_mode: str | None = None
+        self.updating_weights = False
+        self.weight_version: str | None = None
+        self.pending_outputs: deque[EngineCoreOutputs] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
@@ -73,7 +97,9 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        """Whether stepping has work: steps in flight, or requests to schedule (none while halted; requests held
+        while paused do not count)."""
+        return self.scheduler.has_work() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
         if self.async_scheduling:
@@ -88,6 +114,7 @@ class EngineCore:
         model_output = self.worker.execute_model(scheduler_output)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs.weight_version = self.weight_version
         timer.add("schedule", t1 - t0)
         timer.add("launch", t2 - t1)  # synchronous: the whole forward and the output lists
         timer.add("update", time.perf_counter() - t2)
@@ -112,6 +139,7 @@ class EngineCore:
         model_output = future.get_output()
         t1, c1 = time.perf_counter(), time.thread_time()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs.weight_version = self.weight_version
         timer.add("wait", t1 - t0)
         timer.add("update", time.perf_counter() - t1, time.thread_time() - c1)
         timer.count_step(len(scheduler_output.num_scheduled_tokens))
@@ -130,3 +158,120 @@ class EngineCore:
             timer.add("launch", time.perf_counter() - t1, time.thread_time() - c1)
             if not has_tokens:
                 break
+
+    # ------------------------------------------------------------------ the RL lifecycle (module docstring)
+
+    UTILITY_METHODS = frozenset({
+        "pause_generation", "resume_generation", "is_paused", "abort_all_requests", "collective_rpc",
+        "init_weight_transfer_engine",
+        "start_weight_update", "update_weights", "finish_weight_update", "get_weight_version",
+        "update_weight_version", "weight_info", "reset_prefix_cache"})
+
+    def _drain(self) -> None:
+        """Finish every step in flight now (no new one is launched); their outputs go to `pending_outputs`."""
+        while self.batch_queue:
+            scheduler_output, future = self.batch_queue.popleft()
+            outputs = self.scheduler.update_from_output(scheduler_output, future.get_output())
+            outputs.weight_version = self.weight_version
+            outputs.resolve_step_rows()  # NOTE: kept past later steps: nothing left pending on a staging slot
+            self.pending_outputs.append(outputs)
+
+    def _set_halt(self) -> None:
+        self.scheduler.halted = self.pause_mode == "keep" or self.updating_weights
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> Deferred:
+        """Pause (module docstring); ready once nothing of the mode's is left running. Pausing again changes the
+        mode. clear_cache: there is no prefix cache to clear (KV blocks are never reused across requests)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"Unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}.")
+        self.pause_mode = mode
+        self.scheduler.hold_new = True
+        self._set_halt()
+        if mode == "abort":
+            self.abort_all_requests()
+        if mode == "wait":
+            return Deferred(lambda: not self.batch_queue and not self.scheduler.has_unfinished_requests(),
+                            lambda: None)
+        return Deferred(lambda: not self.batch_queue, lambda: None)
+
+    def abort_all_requests(self) -> int:
+        """Abort every request (running, waiting, held); each gets an ABORT output of its own now, not only a
+        finished id, so its frontend ends it with its partial output, whichever API server it came from."""
+        scheduler = self.scheduler
+        request_ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting, *scheduler.held)]
+        scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        scheduler._aborted_req_ids.difference_update(request_ids)
+        if request_ids:
+            self.pending_outputs.append(EngineCoreOutputs(
+                outputs=[EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in request_ids],
+                scheduler_stats=scheduler.make_stats()))
+        return len(request_ids)
+
+    def resume_generation(self) -> None:
+        if self.pause_mode is None:
+            raise ValueError("The engine is not paused: call pause_generation first (resume without pause).")
+        self.pause_mode = None
+        self._set_halt()
+        self.scheduler.release_held()
+
+    def is_paused(self) -> bool:
+        return self.pause_mode is not None
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """There is no prefix cache: a request's KV blocks are freed when it ends and never reused, so nothing can
+        be stale; True (done) for any arguments."""
+        return True
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run `method` on every worker (one here) after the steps in flight finished; one result per worker.
+        A name is a method of the worker or of its worker extension (not one starting with "_"); a callable is
+        called with the worker first. timeout is the caller's to enforce (a running call cannot be stopped)."""
+        self._drain()
+        return [self.worker.call(method, args, kwargs or {})]
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.worker.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        if self.updating_weights:
+            raise ValueError("A weight update is already in progress: call finish_weight_update first.")
+        self.updating_weights = True
+        self._set_halt()
+        self._drain()
+        try:
+            self.worker.start_weight_update(is_checkpoint_format)
+        except BaseException:
+            self.updating_weights = False
+            self._set_halt()
+            raise
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        if not self.updating_weights:
+            raise ValueError("No weight update is in progress: call start_weight_update first.")
+        self.worker.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if not self.updating_weights:
+            raise ValueError("No weight update is in progress: call start_weight_update first.")
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise ValueError(f"weight_version must be a string or null, got {weight_version!r}.")
+        self.worker.finish_weight_update()
+        self.updating_weights = False
+        if weight_version is not None:
+            self.weight_version = weight_version
+        self._set_halt()
+
+    def get_weight_version(self) -> str | None:
+        return self.weight_version
+
+    def update_weight_version(self, new_version: str | None) -> None:
+        """Name the current weights (the tokens of later steps carry it) without changing them."""
+        if new_version is not None and not isinstance(new_version, str):
+            raise ValueError(f"new_version must be a string or null, got {new_version!r}.")
+        self._drain()
+        self.weight_version = new_version
+
+    def weight_info(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version, "is_updating": self.updating_weights,
+                "parameters": self.worker.weight_info()}

@@ -13,17 +13,24 @@ Invariants:
 - After startup, a core that dies or reports a fatal error makes every later `get_output*` raise
   `EngineDeadError`; `is_dead` tells without blocking (the process sentinel, or for a shared core its pid, is
   checked at every poll timeout; the launcher reaps a dead core at once, so the pid disappears).
+- Utility calls (`call_utility`, `call_utility_async`: EngineCore.UTILITY_METHODS by name) return the method's
+  result or raise its exception. Their results arrive on the output socket among the outputs; outputs that come
+  before a result are handed out before it (the sync client keeps them for the next `get_output`). In process,
+  a Deferred result (pause) is waited for by stepping the core; the outputs of those steps come next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing
 import os
+import pickle
 import shutil
 import tempfile
 import weakref
 from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +38,8 @@ import zmq
 import zmq.asyncio
 
 from vllm.config import VllmConfig
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from vllm.v1.engine.core_proc import ERROR, OUTPUTS, READY, run_engine_core
+from vllm.v1.engine import Deferred, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from vllm.v1.engine.core_proc import ERROR, OUTPUTS, READY, UTILITY_RESULT, run_engine_core
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 # NOTE: how often a waiting client checks that the core process is still alive.
@@ -109,6 +116,9 @@ class EngineCoreClient:
         """Only the in-process client knows; over a process boundary the frontend's own state decides."""
         return False
 
+    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         pass
 
@@ -126,13 +136,30 @@ class InprocClient(EngineCoreClient):
             self.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs = self.engine_core.step()
-        self.engine_core.launch_ahead()  # the device runs the next steps while the frontend processes these
+        pending = self.engine_core.pending_outputs
+        if pending:  # made by a utility call: before any later step's
+            outputs = pending.popleft()
+        else:
+            outputs = self.engine_core.step()
+            self.engine_core.launch_ahead()  # the device runs the next steps while the frontend processes these
         outputs.materialize_step_rows()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests()
+        return self.engine_core.has_unfinished_requests() or bool(self.engine_core.pending_outputs)
+
+    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        core = self.engine_core
+        if method not in core.UTILITY_METHODS:
+            raise ValueError(f"Unknown engine-core utility call {method!r}.")
+        result = getattr(core, method)(*args, **kwargs)
+        if isinstance(result, Deferred):
+            while not result.ready():
+                outputs = core.step()
+                outputs.materialize_step_rows()  # NOTE: kept past later steps: nothing left on a staging slot
+                core.pending_outputs.append(outputs)
+            result = result.result()
+        return result
 
 
 def _shutdown_resources(proc: multiprocessing.process.BaseProcess | None, sockets: list[zmq.Socket],
@@ -177,6 +204,9 @@ class MPClient(EngineCoreClient):
         self.outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
         self.generic_decoder = MsgpackDecoder()
         self.dead_error: EngineDeadError | None = None
+        self._call_ids = itertools.count()
+        # Utility results that arrived: call id -> (ok, value); the async client resolves futures instead.
+        self._results: dict[int, tuple[bool, Any]] = {}
 
         self.proc: multiprocessing.process.BaseProcess | None = None
         if handle is None:
@@ -232,15 +262,32 @@ class MPClient(EngineCoreClient):
             assert self.dead_error is not None
             raise self.dead_error
 
-    def _decode_output(self, frames: list[zmq.Frame]) -> EngineCoreOutputs:
-        """An OUTPUTS message (received with copy=False: its array frames are decoded without a copy)."""
+    def _decode_output(self, frames: list[zmq.Frame]) -> EngineCoreOutputs | None:
+        """An OUTPUTS message (received with copy=False: its array frames are decoded without a copy); None for a
+        utility result, which is recorded (`_on_result`)."""
         kind = frames[0].bytes
         if kind == OUTPUTS:
             return self.outputs_decoder.decode(frames[1].buffer, [f.buffer for f in frames[2:]])
+        if kind == UTILITY_RESULT:
+            call_id, ok, value = pickle.loads(frames[1].buffer)
+            self._on_result(call_id, ok, value)
+            return None
         if kind == ERROR:
             self.dead_error = EngineDeadError(str(self.generic_decoder.decode(frames[1].buffer)))
             raise self.dead_error
         raise RuntimeError(f"Unexpected message from the engine core: {kind!r}.")
+
+    def _on_result(self, call_id: int, ok: bool, value: Any) -> None:
+        self._results[call_id] = (ok, value)
+
+    def _utility_frames(self, call_id: int, method: str, args: tuple, kwargs: dict[str, Any]) -> tuple[bytes, bytes]:
+        return EngineCoreRequestType.UTILITY.value, pickle.dumps((self.client_index, call_id, method, args, kwargs))
+
+    @staticmethod
+    def _result_value(ok: bool, value: Any) -> Any:
+        if not ok:
+            raise value
+        return value
 
     def _abort_frames(self, request_ids: list[str]) -> tuple[bytes, bytes]:
         return EngineCoreRequestType.ABORT.value, self.encoder.encode((self.client_index, list(request_ids)))
@@ -259,6 +306,8 @@ class SyncMPClient(MPClient):
         super().__init__(vllm_config, False, engine_core_factory, start_method, handle)
         self.poller = zmq.Poller()
         self.poller.register(self.output_socket, zmq.POLLIN)
+        # Outputs that arrived while a utility call waited for its result.
+        self._outputs: deque[EngineCoreOutputs] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
@@ -269,6 +318,14 @@ class SyncMPClient(MPClient):
             self.input_socket.send_multipart(self._abort_frames(request_ids), copy=False)
 
     def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs:
+        if self._outputs:
+            return self._outputs.popleft()
+        while True:
+            outputs = self._receive(timeout_s)
+            if outputs is not None:
+                return outputs
+
+    def _receive(self, timeout_s: float | None) -> EngineCoreOutputs | None:
         waited_ms = 0
         while not self.poller.poll(_POLL_MS):
             self._check_alive()
@@ -277,6 +334,16 @@ class SyncMPClient(MPClient):
                 raise TimeoutError("No engine-core output within the timeout.")
         return self._decode_output(self.output_socket.recv_multipart(copy=False))
 
+    def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._check_alive()
+        call_id = next(self._call_ids)
+        self.input_socket.send_multipart(self._utility_frames(call_id, method, args, kwargs))
+        while call_id not in self._results:
+            outputs = self._receive(None)
+            if outputs is not None:
+                self._outputs.append(outputs)
+        return self._result_value(*self._results.pop(call_id))
+
 
 class AsyncMPClient(MPClient):
     def __init__(self, vllm_config: VllmConfig, engine_core_factory: Callable[[VllmConfig], Any] | None = None,
@@ -284,14 +351,46 @@ class AsyncMPClient(MPClient):
         super().__init__(vllm_config, True, engine_core_factory, start_method, handle)
         # NOTE: a plain view of the output socket for non-blocking reads of what is already queued.
         self._sync_output = zmq.Socket.shadow(self.output_socket.underlying)
+        # Utility calls waiting for their result (resolved by whoever reads the output socket: the output loop).
+        self._calls: dict[int, asyncio.Future] = {}
 
     def get_output_nowait(self) -> EngineCoreOutputs | None:
         """The next queued engine-core output, or None when none has arrived yet (never waits)."""
+        while True:
+            try:
+                frames = self._sync_output.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            outputs = self._decode_output(frames)
+            if outputs is not None:
+                return outputs
+
+    def _on_result(self, call_id: int, ok: bool, value: Any) -> None:
+        future = self._calls.pop(call_id, None)
+        if future is not None and not future.done():
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    async def call_utility_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an engine-core utility and await its result. Someone must be reading the output socket
+        (AsyncLLM's output loop, which its callers start first)."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:
-            frames = self._sync_output.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-        return self._decode_output(frames)
+            await self.input_socket.send_multipart(self._utility_frames(call_id, method, args, kwargs))
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    def fail_calls(self, error: BaseException) -> None:
+        """The core is gone: every utility call waiting gets `error`."""
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._check_alive()
@@ -302,9 +401,12 @@ class AsyncMPClient(MPClient):
             await self.input_socket.send_multipart(self._abort_frames(request_ids), copy=False)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        while not await self.output_socket.poll(_POLL_MS):
-            self._check_alive()
-        return self._decode_output(await self.output_socket.recv_multipart(copy=False))
+        while True:
+            while not await self.output_socket.poll(_POLL_MS):
+                self._check_alive()
+            outputs = self._decode_output(await self.output_socket.recv_multipart(copy=False))
+            if outputs is not None:
+                return outputs
 
     async def wait_dead(self) -> None:
         """Return once the core process has exited (for the server's watchdog)."""

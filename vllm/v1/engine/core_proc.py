@@ -3,13 +3,16 @@
 It serves one or more frontends ("clients": API server processes with --api-server-count N; client i owns the
 i-th input and output address). Frames from a frontend (its PUSH -> our PULL, fair-queued over all clients):
 `[EngineCoreRequestType.value, payload]` with payload an encoded EngineCoreRequest (ADD), `(client index, list of
-request ids)` (ABORT) or `(method, args)` (UTILITY). Frames to a frontend (our PUSH -> its PULL): `[kind, payload]` with kind
-one of:
+request ids)` (ABORT) or a pickled `(client index, call id, method, args, kwargs)` (UTILITY: one of
+EngineCore.UTILITY_METHODS, or "shutdown"). Frames to a frontend (our PUSH -> its PULL): `[kind, payload]` with
+kind one of:
 - `READY`: sent once to every client after the model loaded and the KV cache was allocated; payload
   `{"num_gpu_blocks": n, "pid": pid}`;
 - `OUTPUTS`: an encoded EngineCoreOutputs, its large arrays (sampling masks) in frames of their own after it
   (MsgpackEncoder.encode_frames);
-- `ERROR`: a fatal error (at startup or in a step) as text, to every client; the process exits non-zero.
+- `ERROR`: a fatal error (at startup or in a step) as text, to every client; the process exits non-zero;
+- `UTILITY_RESULT`: a pickled `(call id, ok, value)` to the calling client only: the method's result, or
+  (ok False) the exception it raised (a ValueError stays a ValueError). A utility's failure never stops the core.
 
 Invariants:
 - Every input that is waiting is handled before the next step, so an ABORT frees its KV blocks before the
@@ -21,6 +24,9 @@ Invariants:
   scheduler stats go to every client. An ADD whose request id is already running (two API servers given the
   same id) is refused with an ABORT-finished output to its own client; the running request is untouched, also
   by an ABORT of that id from the refused client (a client aborts only its own requests).
+- A utility call runs between steps. Outputs it produced (EngineCore.pending_outputs: steps it drained, aborts
+  of a pause) are sent before its result; a result that is a `Deferred` (pause) is sent once ready, checked
+  after every step.
 - The loop ends when the parent process is gone (checked while idle), on SIGTERM/SIGINT, or on SHUTDOWN.
 """
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import signal
 import sys
 import time
@@ -42,7 +49,8 @@ import zmq
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.profiling import maybe_cprofile
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, FinishReason
+from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
+                             FinishReason)
 from vllm.v1.metrics.gc_timing import GcTimer
 from vllm.v1.serving_gc import freeze_startup_heap
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -52,6 +60,7 @@ logger = logging.getLogger(__name__)
 READY = b"R"
 OUTPUTS = b"O"
 ERROR = b"E"
+UTILITY_RESULT = b"U"
 # NOTE: how long an idle core waits for input before checking that its parent is still alive.
 _IDLE_POLL_MS = 1000
 # VLLM_ENGINE_STEP_TIMING: seconds between two step-timing log lines.
@@ -83,6 +92,8 @@ class EngineCoreProc:
         self.request_decoder = MsgpackDecoder(EngineCoreRequest)
         self.generic_decoder = MsgpackDecoder()
         self.should_stop = False
+        # Utility calls whose result is not ready yet: (client, call id, Deferred).
+        self.deferred_calls: list[tuple[int, int, Deferred]] = []
         # VLLM_ENGINE_SEND_COPY: every output frame copied by pyzmq (an experiment; zero-copy by default).
         self.send_copy = envs.VLLM_ENGINE_SEND_COPY
 
@@ -135,6 +146,7 @@ class EngineCoreProc:
             if group or finished[client] or outputs.scheduler_stats is not None:
                 self.send(OUTPUTS, EngineCoreOutputs(outputs=group, scheduler_stats=outputs.scheduler_stats,
                                                      finished_requests=finished[client] or None,
+                                                     weight_version=outputs.weight_version,
                                                      **shares[client]), client)
 
     def _owner(self, req_id: str, done: bool) -> int:
@@ -171,12 +183,50 @@ class EngineCoreProc:
                     self.aborted_client[req_id] = self.client_of.pop(req_id)
             self.engine_core.abort_requests(list(request_ids))
             return True
-        method, _args = self.generic_decoder.decode(payload)
+        client, call_id, method, args, kwargs = pickle.loads(payload)
         if method == "shutdown":
             self.should_stop = True
+            return False
+        try:
+            if method not in getattr(self.engine_core, "UTILITY_METHODS", ()):
+                raise ValueError(f"Unknown engine-core utility call {method!r}.")
+            result = getattr(self.engine_core, method)(*args, **kwargs)
+        except Exception as e:  # NOTE: a failed call is its caller's error, never the core's
+            logger.warning("Engine-core utility call %s failed: %s: %s", method, type(e).__name__, e)
+            self._send_result(client, call_id, False, e)
+            return True
+        if isinstance(result, Deferred):
+            self.deferred_calls.append((client, call_id, result))
         else:
-            logger.warning("Unknown engine-core utility call %r ignored.", method)
-        return False
+            self._send_result(client, call_id, True, result)
+        return True
+
+    def _send_result(self, client: int, call_id: int, ok: bool, value: Any) -> None:
+        # NOTE: the outputs the call produced go first, so the caller has them when its result arrives.
+        self._send_pending()
+        try:
+            payload = pickle.dumps((call_id, ok, value))
+        except Exception as e:  # an unpicklable result or exception: its text
+            payload = pickle.dumps((call_id, False, RuntimeError(f"{type(value).__name__}: {value} ({e})")))
+        self.output_sockets[client].send_multipart((UTILITY_RESULT, payload), copy=self.send_copy)
+
+    def _send_pending(self) -> None:
+        pending = getattr(self.engine_core, "pending_outputs", None)
+        while pending:
+            outputs = pending.popleft()
+            outputs.resolve_step_rows()
+            self.send_outputs(outputs)
+
+    def _poll_deferred(self) -> None:
+        if not self.deferred_calls:
+            return
+        waiting = []
+        for client, call_id, deferred in self.deferred_calls:
+            if deferred.ready():
+                self._send_result(client, call_id, True, deferred.result())
+            else:
+                waiting.append((client, call_id, deferred))
+        self.deferred_calls = waiting
 
     def _process_inputs(self, block: bool) -> bool:
         aborted = False
@@ -220,6 +270,12 @@ class EngineCoreProc:
                 break
             if idle and outputs is None and timer is not None:
                 timer.restart_if_empty()
+            if getattr(self.engine_core, "pending_outputs", None):
+                # NOTE: a utility call drained steps or aborted requests: their outputs after the step held.
+                if outputs is not None:
+                    self._send_step(outputs, timer)
+                    outputs = None
+                self._send_pending()
             busy = self.engine_core.has_unfinished_requests()
             t1 = time.perf_counter()
             if outputs is not None:
@@ -238,6 +294,8 @@ class EngineCoreProc:
                     outputs = None
             elif aborted:
                 self.broadcast(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
+            if self.deferred_calls and outputs is None:
+                self._poll_deferred()
             # Every few seconds, and when the core goes idle.
             if log_every is not None and timer.steps and (time.monotonic() - last_log >= log_every
                                                           or not self.engine_core.has_unfinished_requests()):

@@ -12,6 +12,7 @@ It keeps no stats (EngineArgs.disable_log_stats has no effect here).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm import envs
@@ -21,7 +22,7 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
-from vllm.utils import refuse_stat_loggers
+from vllm.utils import refuse_sleep_mode, refuse_stat_loggers, unwrap_info
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.input_processor import InputProcessor
@@ -87,6 +88,53 @@ class LLMEngine:
         """Always True: there is no prefix cache to reset (see AsyncLLM.reset_prefix_cache)."""
         return True
 
+    def sleep(self, level: int = 1) -> None:
+        refuse_sleep_mode()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        refuse_sleep_mode()
+
+    def is_sleeping(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ the RL lifecycle (docs/rl.md)
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause (EngineCore.pause_generation): "abort" ends every request (their final outputs, finish_reason
+        "abort", come from the next `step()`s); "wait" steps until the running requests finished (their outputs
+        too); "keep" keeps them where they are. Requests added while paused run after `resume_generation()`."""
+        self.engine_core.call_utility("pause_generation", mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self.engine_core.call_utility("resume_generation")
+
+    def is_paused(self) -> bool:
+        return self.engine_core.call_utility("is_paused")
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a worker method (by name, or a callable taking the worker first) on every worker; one result per
+        worker. timeout: not enforced on a worker that is already running the call here (one process)."""
+        return self.engine_core.call_utility("collective_rpc", method, timeout, tuple(args), kwargs)
+
+    def init_weight_transfer_engine(self, init_info: Any) -> None:
+        self.engine_core.call_utility("init_weight_transfer_engine", unwrap_info(init_info, "init_info"))
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.engine_core.call_utility("start_weight_update", is_checkpoint_format)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.engine_core.call_utility("update_weights", unwrap_info(update_info, "update_info"))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.engine_core.call_utility("finish_weight_update", weight_version)
+
+    def get_weight_version(self) -> str | None:
+        return self.engine_core.call_utility("get_weight_version")
+
+    def update_weight_version(self, new_version: str | None) -> None:
+        self.engine_core.call_utility("update_weight_version", new_version)
+
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests by user request id (an n > 1 request's id aborts all its children)."""
         request_ids = self.output_processor.abort_requests(request_ids)
@@ -96,7 +144,7 @@ class LLMEngine:
         if self.multiprocess_mode and not self.output_processor.has_unfinished_requests():
             return []
         outputs = self.engine_core.get_output()
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.weight_version)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

@@ -171,6 +171,8 @@ def merge_delta_outputs(into: RequestOutput, new: RequestOutput) -> None:
         if c.sampling_mask is not None:
             old.sampling_mask = (c.sampling_mask if old.sampling_mask is None
                                  else old.sampling_mask.concat(c.sampling_mask))
+        if c.weight_versions:
+            old.weight_versions = merge_weight_spans(old.weight_versions, c.weight_versions)
         old.cumulative_logprob = c.cumulative_logprob
         old.finish_reason = c.finish_reason
         old.stop_reason = c.stop_reason
@@ -178,6 +180,15 @@ def merge_delta_outputs(into: RequestOutput, new: RequestOutput) -> None:
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
     into.metrics = new.metrics
+
+
+def merge_weight_spans(first: list[list[Any]] | None, then: list[list[Any]]) -> list[list[Any]]:
+    """The weight-version spans of two consecutive deltas as one list (a span running across them joined)."""
+    if not first:
+        return then
+    if first[-1][0] == then[0][0] and first[-1][2] == then[0][1]:
+        return [*first[:-1], [first[-1][0], first[-1][1], then[0][2]], *then[1:]]
+    return first + then
 
 
 @dataclass(slots=True)
@@ -229,6 +240,9 @@ class RequestState:
         self.steps_to_queue = (self.delta and parent is None
                                and isinstance(queue, RequestOutputCollector))
         self.num_cached_tokens = 0
+        # [weight version, first output token, end] spans: which weights computed which output tokens; kept only
+        # once the engine's weights were named (EngineCoreOutputs.weight_version), empty until then.
+        self.weight_spans: list[list[Any]] = []
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
 
     def append_sampling_masks(self, new_mask: SamplingMaskLists | None, new_text: SamplingMaskText | None,
@@ -306,11 +320,15 @@ class RequestState:
                 texts = list(texts) if texts is not None else None
             # The lists are this output's own (handed out, or copied just above).
             sampling_mask = SamplingMask.of_lists(masks, texts)
+        spans = self.weight_spans or None
+        if spans is not None:
+            first = self.detokenizer.num_output_tokens - num_new if delta else 0  # this output's tokens from first
+            spans = [[v, max(s, first), e] for v, s, e in spans if e > first]
         # NOTE: positional (index, text, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason,
-        # sampling_mask): half the cost of keywords, once per streamed chunk.
+        # sampling_mask, weight_versions): half the cost of keywords, once per streamed chunk.
         return CompletionOutput(self.index, text, token_ids, lp.cumulative_logprob, logprobs,
                                 str(finish_reason) if finished else None, stop_reason if finished else None,
-                                sampling_mask)
+                                sampling_mask, spans)
 
     def make_request_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                             stop_reason: int | str | None) -> RequestOutput | None:
@@ -420,7 +438,9 @@ class OutputProcessor:
             self.parent_requests.pop(parent.request_id, None)
         return output
 
-    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput],
+                        weight_version: str | None = None) -> OutputProcessorOutput:
+        """One engine step's outputs, computed by the weights named `weight_version`."""
         result = OutputProcessorOutput()
         touched: dict[str, ParentRequest] = {}
         for eco in engine_core_outputs:
@@ -444,6 +464,15 @@ class OutputProcessor:
                 finish_reason = FinishReason.STOP
                 stop_reason = stop_string
             num_kept = detokenizer.num_output_tokens - num_before
+            # NOTE: spans only once the engine's weights are named (a weight update): none on the serving path.
+            if num_kept and (weight_version is not None or state.weight_spans):
+                spans = state.weight_spans
+                if spans and spans[-1][0] == weight_version:
+                    spans[-1][2] += num_kept
+                else:
+                    if not spans and num_before:
+                        spans.append([None, 0, num_before])  # the tokens of the weights never named
+                    spans.append([weight_version, num_before, num_before + num_kept])
             kept_token_ids = new_token_ids if num_kept == len(new_token_ids) else new_token_ids[:num_kept]
             state.logprobs_processor.update(eco.new_logprobs, num_kept)
             state.append_sampling_masks(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids),

@@ -6,20 +6,30 @@ activations of a forward of the largest mixed size, which the captured graphs ke
 the profiled peak; on CPU it is kv_cache_memory_bytes (default VLLM_CPU_KVCACHE_SPACE GiB). Either way the
 cache never holds more blocks than max_num_seqs full-length requests need. One more block than reported is
 allocated: the model runner's scratch block for CUDA-graph padding rows.
+
+The worker is also what RL frameworks reach through `collective_rpc` (`call`): its weight-update methods
+(vllm/v1/worker/weight_update.py) and, with `worker_extension_cls`, the extension's methods, mixed into the
+worker's class by `make_worker` (the worker's own attributes win; a clash is refused). Extensions read vLLM's
+worker attributes: `model_runner` (its `.model`), `device`, `model_config`, `parallel_config`, `vllm_config`,
+`rank`, `local_rank`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from vllm import envs
 from vllm.config import VllmConfig
+from vllm.config.parallel import resolve_worker_extension
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
 from vllm.v1.worker.model_runner import ModelRunner
+from vllm.v1.worker.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +37,18 @@ logger = logging.getLogger(__name__)
 class Worker:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.parallel_config = vllm_config.parallel_config
+        # NOTE: one worker; vLLM's names for its place among the workers.
+        self.rank = 0
+        self.local_rank = 0
         self.device = vllm_config.device_config.torch_device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         self.model_runner = ModelRunner(vllm_config)
+        self.weight_updater = WeightUpdater(self.model_runner.model, vllm_config, self.device, self.rank)
 
     def determine_num_blocks(self) -> int:
         cc = self.vllm_config.cache_config
@@ -80,3 +96,50 @@ class Worker:
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         return self.model_runner.execute_model_async(scheduler_output)
+
+    # ------------------------------------------------------------------ collective_rpc and weight updates
+
+    def call(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """collective_rpc's work on this worker: a method by name (of the worker or its extension; not a private
+        one), or a callable given the worker first."""
+        if isinstance(method, str):
+            target = getattr(self, method, None) if not method.startswith("_") else None
+            if not callable(target):
+                raise ValueError(f"collective_rpc: the worker has no method {method!r} (worker methods and those of "
+                                 "--worker-extension-cls can be called, not private ones).")
+            return target(*args, **(kwargs or {}))
+        if not callable(method):
+            raise ValueError(f"collective_rpc: method must be a name or a callable, got {type(method).__name__}.")
+        return method(self, *args, **(kwargs or {}))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.weight_updater.init_transfer_engine(init_info)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.weight_updater.start(is_checkpoint_format)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.weight_updater.update(update_info)
+
+    def finish_weight_update(self) -> None:
+        self.weight_updater.finish()
+
+    def load_weights_from_disk(self, path: str) -> None:
+        self.weight_updater.load_from_disk(path)
+
+    def weight_info(self) -> dict[str, dict[str, Any]]:
+        return self.weight_updater.weight_info()
+
+
+def make_worker(vllm_config: VllmConfig) -> Worker:
+    """The worker, with the methods of vllm_config.parallel_config.worker_extension_cls mixed in when set."""
+    extension = vllm_config.parallel_config.worker_extension_cls
+    if not extension:
+        return Worker(vllm_config)
+    ext_cls = resolve_worker_extension(extension)
+    clash = sorted(n for n in vars(ext_cls) if not n.startswith("__") and hasattr(Worker, n))
+    if clash:
+        raise ValueError(f"worker_extension_cls {extension!r} defines {', '.join(clash)}, which the worker already "
+                         "has; rename them.")
+    worker_cls = type(f"Worker[{ext_cls.__name__}]", (Worker, ext_cls), {})
+    return worker_cls(vllm_config)

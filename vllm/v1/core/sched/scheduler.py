@@ -7,8 +7,9 @@ preempted (its blocks freed, recomputed from scratch later) until it fits. Waiti
 in steps without a preemption, first come first served.
 
 Invariants:
-- `running` holds RUNNING requests, `waiting` holds WAITING or PREEMPTED ones; a finished request is in neither
-  and no longer in `requests`.
+- `running` holds RUNNING requests, `waiting` holds WAITING or PREEMPTED ones, `held` WAITING ones added while
+  paused (`hold_new`); a finished request is in none of them and no longer in `requests`.
+- While `halted`, `schedule()` schedules no token (it still hands the runner the finished ids).
 - Per step: `len(running) <= max_num_seqs`, `total_num_scheduled_tokens <= max_num_batched_tokens`, and for
   every request `num_computed_tokens + num_scheduled <= max_model_len`.
 - The runner is told (through `finished_req_ids`) about every request it holds that finished, was aborted or
@@ -72,6 +73,12 @@ class Scheduler:
         # Aborted requests reported in the next EngineCoreOutputs.finished_requests.
         self._aborted_req_ids: set[str] = set()
         self._step_num_preemptions = 0
+        # Pause (set by EngineCore): `halted` schedules nothing, the requests keep their blocks and places (pause
+        # mode "keep", or a weight update in progress); `hold_new` keeps requests added meanwhile in `held`, out
+        # of `waiting`, until `release_held()` (every pause mode).
+        self.halted = False
+        self.hold_new = False
+        self.held: deque[Request] = deque()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -80,7 +87,13 @@ class Scheduler:
         assert request.num_prompt_tokens + 1 <= self.max_model_len, "checked by the input processor"
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        (self.held if self.hold_new else self.waiting).append(request)
+
+    def release_held(self) -> None:
+        """Resume: the requests held while paused join `waiting`, after those that were there."""
+        self.hold_new = False
+        self.waiting.extend(self.held)
+        self.held.clear()
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish requests from outside the step loop (aborts). Unknown or already finished ids are ignored."""
@@ -95,6 +108,8 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.finished_req_ids.add(req_id)
                 finished.append(request)
+            elif request in self.held:
+                self.held.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = finished_status
@@ -106,17 +121,23 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in gone]
 
     def get_num_unfinished_requests(self) -> int:
+        """Requests that can be scheduled (running or waiting; not those held while paused)."""
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def has_work(self) -> bool:
+        """Whether `schedule()` would schedule tokens: requests to run and not halted."""
+        return not self.halted and self.has_unfinished_requests()
 
     def has_finished_requests(self) -> bool:
         """Whether some finished request ids still have to reach the runner."""
         return bool(self.finished_req_ids)
 
     def has_requests(self) -> bool:
-        return self.has_unfinished_requests() or self.has_finished_requests()
+        """Whether a step is due: tokens to schedule, or finished ids the runner must drop."""
+        return self.has_work() or self.has_finished_requests()
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -125,6 +146,13 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
+        if self.halted:
+            # Nothing runs; the runner still drops what finished (aborts while paused).
+            halted_output = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+                                            num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                                            finished_req_ids=self.finished_req_ids)
+            self.finished_req_ids = set()
+            return halted_output
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         cached_reqs = CachedRequestData()
@@ -404,7 +432,7 @@ class Scheduler:
         """Current queue sizes and KV usage; `num_preemptions` counts the preemptions of the last step."""
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.held),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=self._step_num_preemptions,
             sampling_mask_sizes=sampling_mask_sizes if sampling_mask_sizes is not None else [],

@@ -1,0 +1,30 @@
+"""A worker extension for the RL lifecycle tests (imported by name, as frameworks pass worker_extension_cls)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class ProbeExtension:
+    """Reads the worker attributes RL frameworks' extensions read, and changes one weight as they do."""
+
+    def probe_report(self) -> dict[str, Any]:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        worker: Any = self
+        return {"device": str(worker.device), "rank": worker.rank, "local_rank": worker.local_rank,
+                "dtype": str(self.model_config.dtype),  # type: ignore[attr-defined]
+                "num_params": sum(1 for _ in model.named_parameters())}
+
+    def probe_load(self, name: str, value: float) -> float:
+        """Fill one checkpoint tensor through the model's load_weights (the frameworks' call), return its sum."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        shape = model.checkpoint_weight_shape(name)
+        model.load_weights(weights=[(name, torch.full(shape, value))])
+        return float(dict(model.named_parameters())[name].sum())
+
+
+class ClashingExtension:
+    def update_weights(self, update_info: Any) -> None:  # the worker has one
+        pass

@@ -1,0 +1,212 @@
+"""The server's admin endpoints for RL training loops (docs/rl.md), with vLLM's paths and bodies.
+
+Mounted only with VLLM_SERVER_DEV_MODE=1 or `--enable-rl-endpoints` (vLLM's gating): they pause generation, load
+weights from any folder the server can read, and run worker methods by name, so they are for a trusted network
+(the --api-key covers /v1 and /inference only). Every call goes to the one engine core, whichever API server
+(--api-server-count) receives it.
+
+- Pause: POST /pause?mode=abort|wait|keep&clear_cache= -> {"status": "paused"}; POST /resume -> {"status":
+  "resumed"} (400 when not paused); GET /is_paused; POST /abort_requests {"request_ids": [...]} (none or empty:
+  every request of the engine) -> {"status": "aborted", "aborted": n}; POST /reset_prefix_cache (query
+  parameters, or SkyRL's JSON body) -> 200, empty.
+- Weight updates (vLLM's four steps): POST /init_weight_transfer_engine {"init_info"}, /start_weight_update
+  {"is_checkpoint_format"?}, /update_weights {"update_info"}, /finish_weight_update {"weight_version"?} ->
+  {"message": ...}; GET /get_world_size, GET /weight_info, POST /update_weight_version {"new_version"}.
+- prime-rl's dialect on the same paths: POST /update_weights {"weight_dir": dir} (a whole update from that
+  folder) -> {"status": "ok"}; GET /liveness; POST /init_broadcaster is refused by name (400): prime-rl's own
+  NCCL broadcast protocol is not implemented, its filesystem broadcast (weight_dir) is.
+- POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]} (504 after
+  timeout).
+- Sleep mode is not supported yet: /sleep and /wake_up answer 400 saying so; GET /is_sleeping -> false.
+Bad input is a 400 with an OpenAI error body; a refused weight update changes no weight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from vllm.entrypoints.openai.serving_engine import error_body
+from vllm.utils import SLEEP_MODE_UNSUPPORTED
+from vllm.v1.engine.async_llm import AsyncLLM
+
+# NOTE: how long /liveness waits for the engine core to answer a no-op call.
+_LIVENESS_TIMEOUT_S = 10.0
+
+
+async def _body(raw: Request) -> dict[str, Any]:
+    """The JSON object body, {} when empty (SkyRL sends `{}` with GETs, prime-rl nothing with /resume)."""
+    data = await raw.body()
+    if not data.strip():
+        return {}
+    try:
+        body = json.loads(data)
+    except ValueError as e:
+        raise ValueError(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"The request body must be a JSON object, got {type(body).__name__}.")
+    return body
+
+
+def _flag(raw: Request, name: str, default: bool) -> bool:
+    value = raw.query_params.get(name)
+    if value is None:
+        return default
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"Query parameter {name}={value!r} is not a boolean (true or false).")
+
+
+def _required(body: dict[str, Any], key: str) -> Any:
+    if key not in body:
+        raise ValueError(f"Missing {key!r} in the request body.")
+    return body[key]
+
+
+def _jsonable(value: Any) -> Any:
+    """A collective_rpc result as vLLM returns it: None, dicts and lists as they are, anything else as text."""
+    if value is None or isinstance(value, (dict, list, str, int, float, bool)):
+        try:
+            json.dumps(value)
+            return value
+        except (TypeError, ValueError):
+            pass
+    return str(value)
+
+
+def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
+    router = APIRouter()
+
+    @router.post("/pause")
+    async def pause(raw: Request) -> JSONResponse:
+        mode = raw.query_params.get("mode", "abort")
+        if _flag(raw, "wait_for_inflight_requests", False):
+            mode = "wait"
+        await engine.pause_generation(mode=mode, clear_cache=_flag(raw, "clear_cache", True))
+        return JSONResponse({"status": "paused"})
+
+    @router.post("/resume")
+    async def resume() -> JSONResponse:
+        await engine.resume_generation()
+        return JSONResponse({"status": "resumed"})
+
+    @router.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse({"is_paused": await engine.is_paused()})
+
+    @router.post("/abort_requests")
+    async def abort_requests(raw: Request) -> JSONResponse:
+        request_ids = (await _body(raw)).get("request_ids") or []
+        if not isinstance(request_ids, list) or not all(isinstance(r, str) for r in request_ids):
+            raise ValueError("request_ids must be a list of request id strings.")
+        aborted = await engine.abort_requests(request_ids)
+        return JSONResponse({"status": "aborted", "aborted": aborted})
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(raw: Request) -> Response:
+        body = await _body(raw)
+        running = _flag(raw, "reset_running_requests", bool(body.get("reset_running_requests", False)))
+        await engine.reset_prefix_cache(running, _flag(raw, "reset_external", False))
+        return Response(status_code=200)
+
+    @router.post("/collective_rpc")
+    async def collective_rpc(raw: Request) -> Response:
+        body = await _body(raw)
+        method = _required(body, "method")
+        args, kwargs, timeout = body.get("args") or [], body.get("kwargs") or {}, body.get("timeout")
+        if not isinstance(method, str) or not method:
+            raise ValueError("method must be the name of a worker method.")
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise ValueError("args must be a list and kwargs an object.")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or not timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds or null, got {timeout!r}.")
+        try:
+            results = await engine.collective_rpc(method, timeout=timeout, args=tuple(args), kwargs=kwargs)
+        except (TimeoutError, asyncio.TimeoutError):
+            return _timeout(f"collective_rpc {method!r} did not finish within {timeout} s.")
+        return JSONResponse({"results": [_jsonable(r) for r in results]})
+
+    @router.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(raw: Request) -> JSONResponse:
+        await engine.init_weight_transfer_engine(_required(await _body(raw), "init_info"))
+        return JSONResponse({"message": "Weight transfer initialized"})
+
+    @router.post("/start_weight_update")
+    async def start_weight_update(raw: Request) -> JSONResponse:
+        await engine.start_weight_update((await _body(raw)).get("is_checkpoint_format", True))
+        return JSONResponse({"message": "Weight update started"})
+
+    @router.post("/update_weights")
+    async def update_weights(raw: Request) -> JSONResponse:
+        body = await _body(raw)
+        if "update_info" in body:
+            await engine.update_weights(body["update_info"])
+            return JSONResponse({"message": "Weights updated"})
+        if "weight_dir" in body:  # prime-rl's dialect: a whole update from a folder
+            weight_dir = body["weight_dir"]
+            if not isinstance(weight_dir, str) or not weight_dir:
+                raise ValueError("weight_dir must be the path of a folder of safetensors: prime-rl's NCCL "
+                                 "broadcast (weight_dir null) is not supported; use its filesystem broadcast.")
+            await engine.load_weights_from_disk(weight_dir, body.get("weight_version"))
+            return JSONResponse({"status": "ok"})
+        raise ValueError("Missing 'update_info' in the request body (or prime-rl's 'weight_dir').")
+
+    @router.post("/finish_weight_update")
+    async def finish_weight_update(raw: Request) -> JSONResponse:
+        await engine.finish_weight_update((await _body(raw)).get("weight_version"))
+        return JSONResponse({"message": "Weight update finished"})
+
+    @router.post("/update_weight_version")
+    async def update_weight_version(raw: Request) -> JSONResponse:
+        new_version = _required(await _body(raw), "new_version")
+        await engine.update_weight_version(new_version)
+        return JSONResponse({"success": True, "new_version": new_version})
+
+    @router.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse({"weight_version": await engine.get_weight_version()})
+
+    @router.get("/get_world_size")
+    async def get_world_size(raw: Request) -> JSONResponse:
+        _flag(raw, "include_dp", True)  # NOTE: checked; one worker either way
+        return JSONResponse({"world_size": engine.vllm_config.parallel_config.tensor_parallel_size})
+
+    @router.post("/init_broadcaster")
+    async def init_broadcaster() -> JSONResponse:
+        raise ValueError("init_broadcaster (prime-rl's NCCL weight broadcast) is not supported: use prime-rl's "
+                         "filesystem weight broadcast (POST /update_weights {\"weight_dir\": ...}) or vLLM's "
+                         "/init_weight_transfer_engine with --weight-transfer-config.")
+
+    @router.get("/liveness")
+    async def liveness() -> JSONResponse:
+        try:
+            await asyncio.wait_for(engine.is_paused(), _LIVENESS_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            return JSONResponse({"status": "engine_unresponsive"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @router.post("/sleep")
+    async def sleep() -> JSONResponse:
+        raise ValueError(SLEEP_MODE_UNSUPPORTED)
+
+    @router.post("/wake_up")
+    async def wake_up() -> JSONResponse:
+        raise ValueError(SLEEP_MODE_UNSUPPORTED)
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
+
+    app.include_router(router)
+
+
+def _timeout(message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, 504, "TimeoutError"), status_code=504)
