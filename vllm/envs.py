@@ -27,6 +27,16 @@ def _float(name: str) -> float | None:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
+def _int(name: str, default: int) -> int:
+    value = _str(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
 def __getattr__(name: str):  # read at use, so tests can set variables with monkeypatch
     if name in _VARS:
         return _VARS[name]()
@@ -84,4 +94,7 @@ _VARS = {
     "VLLM_TOPK_SELECT_IMPL": lambda: _str("VLLM_TOPK_SELECT_IMPL"),
     # CPU KV cache size in GiB when kv_cache_memory_bytes is not given.
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
+    # The largest `n` (samples per prompt) a request may ask for, as vLLM (and, for a completion with several
+    # prompts, n x the number of prompts); a request over it is refused before any work (HTTP 400).
+    "VLLM_MAX_N_SEQUENCES": lambda: _int("VLLM_MAX_N_SEQUENCES", 16384),
 }
