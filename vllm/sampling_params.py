@@ -27,6 +27,7 @@ _SAMPLING_EPS = 1e-5
 _MAX_TEMPERATURE = 2.0
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
 _PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
 # vLLM's SamplingParams fields with no implementation here yet (see _refuse_unsupported).
 _UNSUPPORTED_FIELDS = ("logits_processors", "logit_bias", "bad_words", "allowed_token_ids", "structured_outputs")
@@ -150,11 +151,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             return VLLMValidationError(f"{field} must be {rule}, got {value!r}.", parameter=field, value=value)
 
         _refuse_unsupported(self)
-        max_n = envs.VLLM_MAX_N_SEQUENCES
-        if not _is_int(self.n) or not 1 <= self.n <= max_n:
+        # NOTE: the environment is read only for n > 1 (reading it costs more than the rest of these checks).
+        if not _is_int(self.n) or self.n < 1 or (self.n > 1 and self.n > envs.VLLM_MAX_N_SEQUENCES):
+            max_n = envs.VLLM_MAX_N_SEQUENCES
             raise bad("n", f"an integer in [1, {max_n}] (VLLM_MAX_N_SEQUENCES)", self.n)
-        for field in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
-                      "min_p"):
+        for field in _FLOAT_FIELDS:
             value = getattr(self, field)
             if not _is_number(value) or not math.isfinite(value):
                 raise bad(field, "a finite number", value)
