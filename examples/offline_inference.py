@@ -1,4 +1,8 @@
-"""Offline generation from the bundled tiny model (or a local checkpoint given as the first argument)."""
+"""Offline generation from the bundled tiny model (or a local checkpoint given as the first argument).
+
+The engine returns sampling masks, so every request needs temperature > 0 and top_k > 0 (top_k bounds the mask's
+size); a request that wants other settings, such as greedy decoding, opts out with return_sampling_mask=False.
+"""
 
 import sys
 
@@ -15,7 +19,10 @@ def main() -> None:
         sizes = [len(m) for m in completion.sampling_mask.token_ids] if completion.sampling_mask else []
         print(f"{out.prompt!r} -> {completion.text!r}")
         print(f"    {len(completion.token_ids)} tokens, support sizes {sizes}")
-    greedy = llm.generate(["The function"], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    # Greedy decoding has no sampling mask to return: the request opts out of it.
+    greedy_params = SamplingParams(temperature=0, max_tokens=32, return_sampling_mask=False)
+    greedy = llm.generate(["The function"], greedy_params, use_tqdm=False)
+    assert greedy[0].outputs[0].sampling_mask is None
     print(f"greedy: {greedy[0].outputs[0].text!r}")
 
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from vllm.outputs import SamplingMask, ids_from_json_text, json_text_of
+from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask, ids_from_json_text, json_text_of
 
 
 def test_sampling_mask_forms_agree() -> None:
@@ -57,3 +57,23 @@ def test_mask_text_round_trip() -> None:
         np.testing.assert_array_equal(ids_from_json_text(np.frombuffer(text, np.uint8)), ids)
     with pytest.raises(Exception):
         ids_from_json_text(b"[1,2")
+
+
+def test_request_output_accepts_and_ignores_unknown_keywords(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's RequestOutput(...) arguments this engine has no use for (lora_request, encoder_prompt, ...) and unknown
+    ones are accepted and ignored, as vLLM does; the fields are those given, positionally or by name."""
+    completion = CompletionOutput(index=0, text="a", token_ids=[5], cumulative_logprob=None, logprobs=None)
+    by_name = RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2], prompt_logprobs=None,
+                            outputs=[completion], finished=True, lora_request=None, encoder_prompt=None,
+                            encoder_prompt_token_ids=None, multi_modal_placeholders={}, kv_transfer_params=None,
+                            num_cached_tokens=3, metrics=None)
+    positional = RequestOutput("r", "p", [1, 2], None, [completion], True, 3, None)
+    assert by_name == positional
+    assert (by_name.request_id, by_name.prompt_token_ids, by_name.finished, by_name.num_cached_tokens) == (
+        "r", [1, 2], True, 3)
+    assert RequestOutput("r", None, None, None, [], False).metrics is None
+    assert not caplog.records  # vLLM's own arguments: no warning
+    RequestOutput("r", None, None, None, [], False, some_future_field=1)
+    assert "ignoring unknown argument(s) some_future_field" in caplog.text
+    with pytest.raises(TypeError):  # a missing required field is still the caller's error
+        RequestOutput(request_id="r")  # type: ignore[call-arg]

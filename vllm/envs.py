@@ -27,6 +27,16 @@ def _float(name: str) -> float | None:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
+def _int(name: str, default: int) -> int:
+    value = _str(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
 def __getattr__(name: str):  # read at use, so tests can set variables with monkeypatch
     if name in _VARS:
         return _VARS[name]()
@@ -87,4 +97,7 @@ _VARS = {
     # load files and run worker methods by name, so only on a trusted network. `--enable-rl-endpoints` does too.
     "VLLM_SERVER_DEV_MODE": lambda: _bool("VLLM_SERVER_DEV_MODE", False),
     "VLLM_CPU_KVCACHE_SPACE": lambda: float(_str("VLLM_CPU_KVCACHE_SPACE", "1") or 1),
+    # The largest `n` (samples per prompt) a request may ask for, as vLLM (and, for a completion with several
+    # prompts, n x the number of prompts); a request over it is refused before any work (HTTP 400).
+    "VLLM_MAX_N_SEQUENCES": lambda: _int("VLLM_MAX_N_SEQUENCES", 16384),
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,13 +152,44 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class RequestOutput:
+    """One request's output so far. The constructor takes vLLM's keyword arguments: the ones this engine has no use
+    for (`lora_request`, `encoder_prompt`, `multi_modal_placeholders`, `kv_transfer_params`, ...) are accepted and
+    ignored, as vLLM ignores unknown ones, so code that builds RequestOutputs (tests, mocks) runs unchanged."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int] | None
     prompt_logprobs: None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int | None = None
-    metrics: object | None = None
+    num_cached_tokens: int | None
+    metrics: object | None
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                 prompt_logprobs: None, outputs: list[CompletionOutput], finished: bool,
+                 num_cached_tokens: int | None = None, metrics: object | None = None, **kwargs: object) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_logprobs = prompt_logprobs
+        self.outputs = outputs
+        self.finished = finished
+        self.num_cached_tokens = num_cached_tokens
+        self.metrics = metrics
+        if kwargs:
+            _warn_ignored(kwargs)
+
+
+# vLLM's RequestOutput arguments with no counterpart here, ignored without a warning.
+_KNOWN_IGNORED = frozenset({"lora_request", "encoder_prompt", "encoder_prompt_token_ids",
+                            "multi_modal_placeholders", "kv_transfer_params"})
+_warned: set[str] = set()
+
+
+def _warn_ignored(kwargs: dict[str, object]) -> None:
+    new = sorted(set(kwargs) - _KNOWN_IGNORED - _warned)
+    if new:
+        _warned.update(new)
+        logging.getLogger(__name__).warning("RequestOutput: ignoring unknown argument(s) %s.", ", ".join(new))

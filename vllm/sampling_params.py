@@ -1,17 +1,56 @@
 """SamplingParams: the per-request sampling settings, with vLLM's names and validation.
 
-Every invalid value raises `ValueError` naming the field and its allowed range; a request that fails validation
-never reaches the engine, so nothing already running is disturbed.
+Every invalid value raises `VLLMValidationError` (a ValueError) naming the field and its allowed range; a request
+that fails validation never reaches the engine, so nothing already running is disturbed.
+
+Invariants of a constructed SamplingParams (what the engine core and its msgspec wire may rely on):
+- every float is finite (temperature in [0, 2]); every integer is an int (not a bool) within int64, so the request
+  always encodes; `n` is in [1, VLLM_MAX_N_SEQUENCES] and `seed + n - 1` (the last sample's seed) fits int64;
+- `stop` is a list of non-empty, valid Unicode strings (no lone surrogates), `stop_token_ids` a list of ints >= 0;
+- vLLM fields this engine does not implement (`best_of`, `logits_processors`, `logit_bias`, `bad_words`,
+  `allowed_token_ids`, `structured_outputs`) are refused with a ValueError that names them unless they ask for
+  nothing, never dropped: the sampling mask must describe the distribution the token was drawn from.
 """
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 from typing import Any
 
 import msgspec
 
+from vllm import envs
+from vllm.exceptions import VLLMValidationError
+
 _SAMPLING_EPS = 1e-5
+_MAX_TEMPERATURE = 2.0
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
+# vLLM's SamplingParams fields with no implementation here yet (see _refuse_unsupported).
+_UNSUPPORTED_FIELDS = ("logits_processors", "logit_bias", "bad_words", "allowed_token_ids", "structured_outputs")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_unicode(text: str, parameter: str) -> None:
+    """Refuse a string that is not valid Unicode (a lone surrogate, which JSON's "\\ud800" escape can carry):
+    the tokenizer and the UTF-8 wire cannot take it."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise VLLMValidationError(f"{parameter} is not valid Unicode: a lone surrogate {text[e.start]!r} at "
+                                  f"character {e.start}.", parameter=parameter) from None
 
 
 class RequestOutputKind(IntEnum):
@@ -65,6 +104,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
     # number of objects per request for the garbage collector (offline and AsyncLLM callers; the HTTP server
     # always builds its responses from dicts).
     flat_logprobs: bool = False
+    # vLLM's fields without an implementation here: refused unless they ask for nothing (_refuse_unsupported).
+    best_of: int | None = None
+    logits_processors: Any = None
+    logit_bias: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    structured_outputs: Any = None
 
     # Derived in __post_init__.
     output_text_buffer_length: int = 0
@@ -77,6 +123,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             self.stop = [self.stop]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is True:  # vLLM's spelling of 1
+            self.logprobs = 1
         # NOTE: top_k -1 is vLLM's old spelling of "disabled"; normalise to 0.
         if self.top_k == -1:
             self.top_k = 0
@@ -97,11 +147,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     def _verify_args(self) -> None:
-        def bad(field: str, rule: str, value: Any) -> ValueError:
-            return ValueError(f"{field} must be {rule}, got {value!r}.")
+        def bad(field: str, rule: str, value: Any) -> VLLMValidationError:
+            return VLLMValidationError(f"{field} must be {rule}, got {value!r}.", parameter=field, value=value)
 
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1", self.n)
+        _refuse_unsupported(self)
+        # NOTE: the environment is read only for n > 1 (reading it costs more than the rest of these checks).
+        if not _is_int(self.n) or self.n < 1 or (self.n > 1 and self.n > envs.VLLM_MAX_N_SEQUENCES):
+            max_n = envs.VLLM_MAX_N_SEQUENCES
+            raise bad("n", f"an integer in [1, {max_n}] (VLLM_MAX_N_SEQUENCES)", self.n)
+        for field in _FLOAT_FIELDS:
+            value = getattr(self, field)
+            if not _is_number(value) or not math.isfinite(value):
+                raise bad(field, "a finite number", value)
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -109,35 +166,54 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
         if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0:
-            raise ValueError("presence_penalty, frequency_penalty and repetition_penalty are not supported yet; "
-                             "leave them at 0, 0 and 1.")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise bad("temperature", "non-negative", self.temperature)
+            raise VLLMValidationError(
+                "presence_penalty, frequency_penalty and repetition_penalty are not supported yet; leave them at "
+                "0, 0 and 1.", parameter=next(f for f, neutral in _PENALTIES if getattr(self, f) != neutral))
+        # NOTE: [0, 2] as OpenAI's API and vLLM (>= 0.24): a huge temperature flattens every logit to a tie,
+        # and the sampling mask becomes the whole vocabulary whatever top_k says.
+        if not 0.0 <= self.temperature <= _MAX_TEMPERATURE:
+            raise bad("temperature", f"in [0, {_MAX_TEMPERATURE:g}]", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "-1 or 0 (disable) or at least 1", self.top_k)
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= _INT64_MAX:
+            raise bad("top_k", f"-1 or 0 (disable) or an integer in [1, {_INT64_MAX}]", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]", self.min_p)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "at least 1", self.max_tokens)
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "non-negative", self.min_tokens)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT64_MAX):
+            raise bad("max_tokens", f"an integer in [1, {_INT64_MAX}]", self.max_tokens)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= _INT64_MAX:
+            raise bad("min_tokens", f"an integer in [0, {_INT64_MAX}]", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                             f"got {self.min_tokens}.")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "non-negative", self.logprobs)
+            raise VLLMValidationError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                                      f"got {self.min_tokens}.", parameter="min_tokens", value=self.min_tokens)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= _INT64_MAX):
+            raise bad("logprobs", f"an integer in [0, {_INT64_MAX}]", self.logprobs)
         if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet; leave it unset.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer", self.seed)
-        assert isinstance(self.stop, list)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a string or a list of non-empty strings.")
-        assert isinstance(self.stop_token_ids, list)
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers.")
+            raise VLLMValidationError("prompt_logprobs is not supported yet; leave it unset.",
+                                      parameter="prompt_logprobs", value=self.prompt_logprobs)
+        if self.seed is not None:
+            if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX:
+                raise bad("seed", f"an integer in [{_INT64_MIN}, {_INT64_MAX}]", self.seed)
+            # NOTE: sample j of n runs with seed + j (vllm/v1/engine/parallel_sampling.py), which must fit too.
+            if self.seed + self.n - 1 > _INT64_MAX:
+                raise VLLMValidationError(
+                    f"seed + n - 1 must be at most {_INT64_MAX} (sample j of n is seeded with seed + j), got "
+                    f"seed={self.seed}, n={self.n}.", parameter="seed", value=self.seed)
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise VLLMValidationError("stop must be a string or a list of non-empty strings.", parameter="stop",
+                                      value=self.stop)
+        for s in self.stop:
+            check_unicode(s, "stop")
+        if (not isinstance(self.stop_token_ids, list)
+                or any(not _is_int(t) or not 0 <= t <= _INT64_MAX for t in self.stop_token_ids)):
+            raise VLLMValidationError(f"stop_token_ids must be a list of integers in [0, {_INT64_MAX}].",
+                                      parameter="stop_token_ids", value=self.stop_token_ids)
+        for field in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                      "include_stop_str_in_output", "flat_logprobs"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, "a bool", getattr(self, field))
+        if self.return_sampling_mask is not None and not isinstance(self.return_sampling_mask, bool):
+            raise bad("return_sampling_mask", "a bool or None", self.return_sampling_mask)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -155,5 +231,24 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
         return msgspec.structs.replace(self)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if not f.startswith("_"))
+        hidden_if_none = (*_UNSUPPORTED_FIELDS, "best_of")
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__
+                           if not f.startswith("_") and (f not in hidden_if_none or getattr(self, f) is not None))
         return f"SamplingParams({fields})"
+
+
+def _refuse_unsupported(params: SamplingParams) -> None:
+    """vLLM's fields this engine does not implement: an error naming the field, unless it asks for nothing (None,
+    an empty list or dict; best_of equal to n, which returns the n samples as they are)."""
+    if params.best_of is not None and params.best_of != params.n:
+        raise VLLMValidationError(
+            f"best_of={params.best_of!r} is not supported (as in vLLM v1): set n to the number of samples you want "
+            "and rank them yourself; leave best_of unset.", parameter="best_of", value=params.best_of)
+    for field in _UNSUPPORTED_FIELDS:
+        value = getattr(params, field)
+        if value is None or (field != "allowed_token_ids" and isinstance(value, (list, tuple, dict)) and not value):
+            continue
+        raise VLLMValidationError(
+            f"{field} is not supported yet: this engine does not apply it, and the sampling mask must describe the "
+            f"distribution each token was drawn from, so it is refused rather than ignored; leave {field} unset.",
+            parameter=field)

@@ -210,8 +210,10 @@ def test_async_llm_engine_from_engine_args(caplog: pytest.LogCaptureFixture) -> 
                 await final(engine, {"prompt_token_ids": PROMPT_IDS}, "lora", lora_request=object())
             with pytest.raises(ValueError, match=r"priority=1 is not supported: requests are scheduled first come"):
                 await final(engine, {"prompt_token_ids": PROMPT_IDS}, "prio", priority=1)
+            # verl sends TokensPrompt(..., multi_modal_data={}) with every text request: it asks for nothing.
+            assert await final(engine, TokensPrompt(prompt_token_ids=PROMPT_IDS, multi_modal_data={}), "mm") == typed
             with pytest.raises(ValueError, match=r"Unsupported prompt key\(s\): 'multi_modal_data'"):
-                await final(engine, {"prompt_token_ids": PROMPT_IDS, "multi_modal_data": {}}, "mm")
+                await final(engine, {"prompt_token_ids": PROMPT_IDS, "multi_modal_data": {"image": [1]}}, "mm2")
             assert await engine.reset_prefix_cache() is True
             assert await engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
             assert await final(engine, {"prompt_token_ids": PROMPT_IDS}, "after") == typed
@@ -223,6 +225,6 @@ def test_async_llm_engine_from_engine_args(caplog: pytest.LogCaptureFixture) -> 
 
     asyncio.run(run())
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Added request")]
-    assert [m.split(":")[0] for m in logged] == ["Added request typed", "Added request plain",
+    assert [m.split(":")[0] for m in logged] == ["Added request typed", "Added request plain", "Added request mm",
                                                   "Added request after"]
     assert "4 prompt tokens" in logged[0] and "seed=1234" in logged[0]

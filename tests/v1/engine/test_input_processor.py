@@ -9,10 +9,11 @@ import pytest
 from test_tokenizer import build_tokenizer_folder
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
-from vllm.v1.engine.input_processor import InputProcessor
+from vllm.v1.engine.input_processor import InputProcessor, check_max_tokens
 
 MAX_MODEL_LEN = 32
 CONFIG_EOS = 1  # deliberately different from the tokenizer's EOS, to see which one is used
@@ -161,8 +162,64 @@ def test_prompt_keys_not_honoured_are_refused(model_dir: str, tok: Tokenizer, ke
         make_processor(model_dir, tok).process_inputs("r", prompt, SamplingParams())
 
 
-def test_prompt_keys_set_to_none_are_ignored(model_dir: str, tok: Tokenizer) -> None:
-    """vLLM's optional keys given as None ask for nothing: the prompt is the plain tokens prompt."""
-    prompt = {"prompt_token_ids": [3, 4, 5], "multi_modal_data": None, "cache_salt": None}
-    req, text = make_processor(model_dir, tok).process_inputs("r", prompt, SamplingParams())
-    assert req.prompt_token_ids == [3, 4, 5] and text is None
+@pytest.mark.parametrize("empty", [None, {}, [], ()])
+def test_prompt_keys_that_ask_for_nothing_are_ignored(model_dir: str, tok: Tokenizer, empty: object) -> None:
+    """vLLM's optional keys given as None or empty ask for nothing: the prompt is the plain tokens prompt (verl sends
+    TokensPrompt(prompt_token_ids=..., multi_modal_data={}) with every text request)."""
+    proc = make_processor(model_dir, tok)
+    for prompt in ({"prompt_token_ids": [3, 4, 5], "multi_modal_data": empty, "cache_salt": None},
+                   TokensPrompt(prompt_token_ids=[3, 4, 5], multi_modal_data=empty)):  # type: ignore[typeddict-item]
+        req, text = proc.process_inputs("r", prompt, SamplingParams())
+        assert req.prompt_token_ids == [3, 4, 5] and text is None
+    # A non-empty one is refused, named (the other keys ask for nothing).
+    prompt = {"prompt_token_ids": [3], "multi_modal_data": empty, "mm_processor_kwargs": {"x": 1}}
+    with pytest.raises(VLLMValidationError, match=r"Unsupported prompt key\(s\): 'mm_processor_kwargs'\.") as e:
+        proc.process_inputs("r", prompt, SamplingParams())
+    assert e.value.parameter == "mm_processor_kwargs"
+
+
+@pytest.mark.parametrize("text, index", [("\ud800", 0), ("abc \udfff def", 4), ("日本\udbff", 2)])
+def test_lone_surrogate_in_text_prompt_is_a_validation_error(model_dir: str, tok: Tokenizer, text: str,
+                                                             index: int) -> None:
+    """The tokenizer cannot take a lone surrogate (it raised TypeError, an HTTP 500): a named ValueError instead."""
+    with pytest.raises(VLLMValidationError, match="prompt is not valid Unicode: a lone surrogate") as e:
+        make_processor(model_dir, tok).process_inputs("r", text, SamplingParams())
+    assert e.value.parameter == "prompt"
+    assert e.value.args[0].endswith(f"at character {index}.")
+
+
+@pytest.mark.parametrize("prompt, parameter", [
+    ({"prompt_token_ids": [2**64]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [-(2**70)]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [True, False]}, "prompt_token_ids"),
+    ({"prompt_token_ids": [3] * MAX_MODEL_LEN}, "prompt"),
+])
+def test_prompt_errors_name_the_field(model_dir: str, tok: Tokenizer, prompt: object, parameter: str) -> None:
+    with pytest.raises(VLLMValidationError) as e:
+        make_processor(model_dir, tok).process_inputs("r", prompt, SamplingParams())
+    assert e.value.parameter == parameter
+
+
+def test_check_max_tokens_is_vllms_rule_and_message() -> None:
+    """The server's rule (hand-worked): max_model_len 32, a 10-token prompt leaves 22."""
+    check_max_tokens(22, 10, 32)
+    check_max_tokens(None, 10, 32)
+    check_max_tokens(1000, 32, 32)  # no room at all: the input processor's own error, not this one
+    with pytest.raises(VLLMValidationError) as e:
+        check_max_tokens(23, 10, 32)
+    assert e.value.parameter == "max_tokens" and e.value.value == 23
+    assert e.value.args[0] == ("'max_tokens' or 'max_completion_tokens' is too large: 23. This model's maximum "
+                               "context length is 32 tokens and your request has 10 input tokens (23 > 32 - 10).")
+    with pytest.raises(VLLMValidationError) as e:
+        check_max_tokens(2**64, 1, 32, "sampling_params.max_tokens")
+    assert e.value.parameter == "sampling_params.max_tokens"
+
+
+def test_validation_errors_name_the_field(model_dir: str, tok: Tokenizer) -> None:
+    proc = make_processor(model_dir, tok, masks=True)
+    cases = [(SamplingParams(temperature=0.0), "temperature"), (SamplingParams(temperature=1.0), "top_k"),
+             (SamplingParams(temperature=1.0, top_k=5, logprobs=6), "logprobs")]
+    for params, parameter in cases:
+        with pytest.raises(VLLMValidationError) as e:
+            proc.process_inputs("r", "hi", params)
+        assert e.value.parameter == parameter

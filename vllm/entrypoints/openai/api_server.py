@@ -196,7 +196,7 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError) -> JSONResponse:
-        return _error(str(exc), 400, "BadRequestError")
+        return _error(str(exc), 400, "BadRequestError", getattr(exc, "parameter", None))
 
     @app.exception_handler(NotFoundError)
     async def on_not_found(request: Request, exc: NotFoundError) -> JSONResponse:

@@ -1,7 +1,14 @@
 """The OpenAI-compatible HTTP protocol (pydantic models): requests, responses and stream chunks.
 
 Requests take OpenAI's fields plus vLLM's extra sampling fields; unknown fields are ignored (as OpenAI clients
-send new ones). `to_sampling_params()` builds SamplingParams, whose validation (ValueError) becomes HTTP 400.
+send new ones). `to_sampling_params()` builds SamplingParams, whose validation (VLLMValidationError, a ValueError
+naming the field) becomes HTTP 400.
+
+Types are strict where lax parsing would change a request's meaning: booleans take only true/false ("stream":
+"yes" or 1 is a 400), token ids only JSON integers ("prompt": [true, false] is a 400, not [1, 0]), and integer and
+float fields refuse booleans. Valid input parses exactly as before. Strings the engine or the wire would choke on
+(a lone surrogate) are refused here or in SamplingParams / the input processor, never after a request is added.
+
 Choices carry `sampling_mask: list[list[int]] | None`, one ascending id list per generated token of the choice
 (of the chunk, when streaming).
 """
@@ -9,13 +16,56 @@ Choices carry `sampling_mask: list[list[int]] | None`, one ascending id list per
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt,
+                      ValidatorFunctionWrapHandler, WrapValidator)
 
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import RequestOutputKind, SamplingParams, check_unicode
 from vllm.utils import random_uuid
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+def _valid_unicode(value: str) -> str:
+    try:
+        check_unicode(value, "the string")
+    except VLLMValidationError as e:
+        raise ValueError(e.args[0]) from None
+    return value
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _strict_prompt(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A completion prompt: a string, a list of strings, a list of token ids or a list of lists of token ids, where
+    a token id is a JSON integer (never a boolean or a float). One error naming `prompt` otherwise."""
+    if value is None or isinstance(value, str):
+        return handler(value)
+    if isinstance(value, list) and (all(isinstance(p, str) for p in value) or all(_is_token_id(t) for t in value)
+                                    or all(isinstance(p, list) and all(_is_token_id(t) for t in p)
+                                           for p in value)):
+        return handler(value)
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers) or a list of "
+                     "lists of token ids")
+
+
+# An integer or float field that refuses booleans (pydantic's lax mode reads true as 1).
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool)]
+# A token id: a JSON integer only.
+TokenId = StrictInt
+# A string the tokenizer and the UTF-8 wire can take (no lone surrogates).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+CompletionPrompt = Annotated[str | list[str] | list[int] | list[list[int]] | None, WrapValidator(_strict_prompt)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -54,30 +104,30 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = False
+    include_usage: StrictBool | None = False
 
 
 class SamplingFields(OpenAIBaseModel):
     """OpenAI's sampling fields and vLLM's extras, shared by completions and chat."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    seed: int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    n: Int = 1
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    return_sampling_mask: bool | None = None
-    return_token_ids: bool = False
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: Int = 0
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    return_sampling_mask: StrictBool | None = None
+    return_token_ids: StrictBool = False
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
         return SamplingParams.from_optional(
@@ -93,14 +143,14 @@ class SamplingFields(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]] | None = None
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    stream: bool = False
+    model: Text | None = None
+    prompt: CompletionPrompt = None
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs, self.stream)
@@ -153,23 +203,23 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    model: str | None = None
+    model: Text | None = None
     messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    stream: bool = False
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Int | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    add_generation_prompt: bool = True
-    chat_template: str | None = None
+    user: Text | None = None
+    add_generation_prompt: StrictBool = True
+    chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true.")
+            raise VLLMValidationError("top_logprobs needs logprobs=true.", parameter="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, self.stream)
 
@@ -239,28 +289,38 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 class GenerateRequest(OpenAIBaseModel):
     """vLLM's token-ids-in / token-ids-out request (`/inference/v1/generate`)."""
 
-    request_id: str = Field(default_factory=random_uuid)
-    token_ids: list[int]
+    request_id: Text = Field(default_factory=random_uuid, min_length=1)
+    token_ids: list[TokenId]
     sampling_params: dict[str, Any] = Field(default_factory=dict)
-    model: str | None = None
-    stream: bool = False
+    model: Text | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         fields = dict(self.sampling_params)
         for key in ("output_kind", "output_text_buffer_length", "_all_stop_token_ids"):
             if key in fields:
-                raise ValueError(f"sampling_params.{key} cannot be set by a request.")
+                raise VLLMValidationError(f"sampling_params.{key} cannot be set by a request.",
+                                          parameter=f"sampling_params.{key}")
         fields["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         known = set(SamplingParams.__struct_fields__)
         unknown = sorted(set(fields) - known)
         if unknown:
-            raise ValueError(f"Unknown sampling_params field(s): {', '.join(unknown)}.")
+            raise VLLMValidationError(f"Unknown sampling_params field(s): {', '.join(map(repr, unknown))}.",
+                                      parameter=f"sampling_params.{unknown[0]}")
         try:
-            # NOTE: msgspec.convert checks the field types (a Struct's __init__ does not) and runs validation.
+            # NOTE: msgspec.convert checks the field types (a Struct's __init__ does not; a bool is not an int
+            # there) and runs validation.
             return msgspec.convert({k: v for k, v in fields.items() if v is not None}, SamplingParams)
         except msgspec.ValidationError as e:
-            raise ValueError(f"Invalid sampling_params: {e}") from e
+            cause = e.__cause__
+            if isinstance(cause, VLLMValidationError):  # SamplingParams' own check, raised in __post_init__
+                raise VLLMValidationError(cause.args[0], parameter=f"sampling_params.{cause.parameter}"
+                                          if cause.parameter else "sampling_params", value=cause.value) from e
+            # A type error: msgspec names the field as a path, "Expected `int`, got `bool` - at `$.top_k[1]`".
+            path = str(e).rpartition("`$.")[2].rstrip("`").split("[")[0] if "`$." in str(e) else ""
+            raise VLLMValidationError(f"Invalid sampling_params: {e}",
+                                      parameter=f"sampling_params.{path}" if path else "sampling_params") from e
 
 
 class GenerateResponseChoice(OpenAIBaseModel):

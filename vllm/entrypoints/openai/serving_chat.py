@@ -3,6 +3,10 @@
 Streaming sends a first chunk with the assistant role per choice, then one chunk per choice and engine step
 (its text, token ids when asked, logprobs and the masks of its tokens), an optional usage chunk, and
 `data: [DONE]`. With `n` samples, choice j is the request's sample j (`CompletionOutput.index`).
+
+Every string of the messages and of `chat_template_kwargs` must be valid Unicode (checked before the template
+runs), and `max_tokens` / `max_completion_tokens` must fit the context the rendered prompt leaves (vLLM's 400),
+both checked before the request is added.
 """
 
 from __future__ import annotations
@@ -18,8 +22,26 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComplet
                                               random_uuid)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
                                                     weight_spans, with_mask_texts)
+from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
+from vllm.sampling_params import check_unicode
 from vllm.v1.engine.async_llm import OutputStream
+from vllm.v1.engine.input_processor import check_max_tokens
+
+
+def check_strings(value: Any, parameter: str) -> None:
+    """Every string inside a JSON value (keys included) is valid Unicode; the first that is not is named by its
+    path, e.g. `messages[0].content[1].text`."""
+    if isinstance(value, str):
+        check_unicode(value, parameter)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                check_unicode(key, parameter)
+            check_strings(item, f"{parameter}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_strings(item, f"{parameter}[{i}]")
 
 
 def _message_text(content: Any) -> str:
@@ -31,21 +53,24 @@ def _message_text(content: Any) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("Only text content parts ({'type': 'text', 'text': ...}) are supported.")
+                raise VLLMValidationError("Only text content parts ({'type': 'text', 'text': ...}) are supported.",
+                                          parameter="messages")
             parts.append(part["text"])
         return "".join(parts)
-    raise ValueError("A message's content must be a string or a list of text parts.")
+    raise VLLMValidationError("A message's content must be a string or a list of text parts.",
+                              parameter="messages")
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
-        raise ValueError("messages must be a non-empty list.")
+        raise VLLMValidationError("messages must be a non-empty list.", parameter="messages")
+    check_strings(messages, "messages")
     out = []
     for i, message in enumerate(messages):
         role = message.get("role")
         if not isinstance(role, str) or role not in ("system", "user", "assistant", "tool", "developer"):
-            raise ValueError(f"messages[{i}].role must be one of system, user, assistant, tool, developer; "
-                             f"got {role!r}.")
+            raise VLLMValidationError(f"messages[{i}].role must be one of system, user, assistant, tool, "
+                                      f"developer; got {role!r}.", parameter=f"messages[{i}].role")
         out.append({**message, "content": _message_text(message.get("content"))})
     return out
 
@@ -53,8 +78,10 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class OpenAIServingChat(OpenAIServing):
     def _prompt_token_ids(self, request: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("Chat needs a tokenizer, but the server runs with --skip-tokenizer-init.")
+            raise VLLMValidationError("Chat needs a tokenizer, but the server runs with --skip-tokenizer-init.",
+                                      parameter="messages")
         messages = normalize_messages(request.messages)
+        check_strings(request.chat_template_kwargs, "chat_template_kwargs")
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, tokenize=True, add_generation_prompt=request.add_generation_prompt,
@@ -62,7 +89,8 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError:
             raise
         except Exception as e:
-            raise ValueError(f"The chat template failed on these messages: {e}") from e
+            raise VLLMValidationError(f"The chat template failed on these messages: {e}",
+                                      parameter="messages") from e
         return list(ids)
 
     async def create_chat_completion(self, request: ChatCompletionRequest
@@ -70,6 +98,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.model_name(request.model)
         params = request.to_sampling_params()
         prompt_ids = self._prompt_token_ids(request)
+        check_max_tokens(params.max_tokens, len(prompt_ids), self.max_model_len)
         request_id = f"chatcmpl-{random_uuid()}"
         queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
         gen = self.engine.stream_outputs(request_id, queue)

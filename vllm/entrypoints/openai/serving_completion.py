@@ -1,6 +1,8 @@
 """POST /v1/completions: one engine request per prompt, JSON or SSE, with logprobs and sampling masks.
 
-Every prompt is validated and added before anything streams (a bad one is a 400 and aborts the others); each
+Every prompt is validated and added before anything streams (a bad one is a 400 and aborts the others): `n` times
+the number of prompts is at most VLLM_MAX_N_SEQUENCES, and text prompts are tokenized here, so that `max_tokens`
+is checked against the context each prompt leaves (vLLM's 400) before any request is added; each
 streamed chunk carries the token ids' masks of that chunk, so the chunks of a choice concatenate to one mask per
 generated token. With `n` samples per prompt, prompt i's sample j is choice `i * n + j` (vLLM's numbering), and
 usage counts each prompt once and every choice's completion tokens.
@@ -16,16 +18,21 @@ from typing import Any
 import msgspec
 
 from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
+from vllm import envs
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, sse, weight_spans,
                                                     with_mask_texts)
+from vllm.exceptions import VLLMValidationError
 from vllm.inputs import PromptType
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import check_unicode
 from vllm.v1.engine.async_llm import OutputStream
+from vllm.v1.engine.input_processor import check_max_tokens
 
 
 def parse_prompts(prompt: Any) -> list[PromptType]:
     if prompt is None or (isinstance(prompt, (str, list)) and len(prompt) == 0):
-        raise ValueError("prompt is required: send a string, a list of strings, or token ids.")
+        raise VLLMValidationError("prompt is required: send a string, a list of strings, or token ids.",
+                                  parameter="prompt")
     if isinstance(prompt, str):
         return [prompt]
     if all(isinstance(p, int) for p in prompt):
@@ -37,7 +44,8 @@ def parse_prompts(prompt: Any) -> list[PromptType]:
         elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
             prompts.append({"prompt_token_ids": list(p)})
         else:
-            raise ValueError("Each prompt must be a non-empty string or a non-empty list of token ids.")
+            raise VLLMValidationError("Each prompt must be a non-empty string or a non-empty list of token ids.",
+                                      parameter="prompt")
     return prompts
 
 
@@ -84,6 +92,11 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _start(self, request: CompletionRequest) -> tuple[str, list[str], list[OutputStream]]:
         params = request.to_sampling_params()
         prompts = parse_prompts(request.prompt)
+        max_n = envs.VLLM_MAX_N_SEQUENCES
+        if len(prompts) * params.n > max_n:
+            raise VLLMValidationError(f"n x the number of prompts must be at most {max_n} (VLLM_MAX_N_SEQUENCES), "
+                                      f"got {params.n} x {len(prompts)}.", parameter="n", value=params.n)
+        prompts = [self._tokenized(p, params.max_tokens) for p in prompts]
         base_id = f"cmpl-{random_uuid()}"
         request_ids: list[str] = []
         gens: list[OutputStream] = []
@@ -97,6 +110,19 @@ class OpenAIServingCompletion(OpenAIServing):
             await self.engine.abort(request_ids)
             raise
         return base_id, request_ids, gens
+
+    def _tokenized(self, prompt: PromptType, max_tokens: int | None) -> PromptType:
+        """A text prompt as token ids with its text (as the input processor would tokenize it), checked against
+        `max_tokens`; token-id prompts are checked as they are. Without a tokenizer the prompt is passed on (the
+        input processor refuses text then)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                return prompt
+            check_unicode(prompt, "prompt")
+            prompt = {"prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=True), "prompt": prompt}
+        assert isinstance(prompt, dict)
+        check_max_tokens(max_tokens, len(prompt["prompt_token_ids"]), self.max_model_len)
+        return prompt
 
     def _choice(self, request: CompletionRequest, index: int, out: RequestOutput, c: CompletionOutput,
                 text_offset: int, prefix: str = "", first: bool = True, raw_mask: bool = False) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """OpenAIServing: what the completion, chat and generate handlers share (model check, errors, logprobs, SSE).
 
 Errors are raised as exceptions and turned into OpenAI-style bodies by the server's exception handlers:
-ValueError -> 400, `NotFoundError` -> 404, EngineDeadError -> 500.
+ValueError -> 400 (a VLLMValidationError's `parameter` becomes the body's `param`), `NotFoundError` -> 404,
+EngineDeadError -> 500. Bounds that need the prompt's length (`check_max_tokens`) are checked by the handlers
+before a request is added.
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ class NotFoundError(Exception):
 
 
 def error_body(message: str, status_code: int, err_type: str, param: str | None = None) -> dict:
-    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
+    """An OpenAI error body. A message or param that echoes a client's string may hold a lone surrogate, which no
+    JSON encoder writes as UTF-8: such characters are escaped ("\\ud800"), so the error itself never fails."""
+    return ErrorResponse(error=ErrorInfo(message=_printable(message), type=err_type,
+                                         param=None if param is None else _printable(param),
                                          code=status_code)).model_dump()
+
+
+def _printable(text: str) -> str:
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 _json_encoder = msgspec.json.Encoder()

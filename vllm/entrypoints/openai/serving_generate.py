@@ -14,8 +14,10 @@ from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse,
                                               GenerateStreamResponse, UsageInfo)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
                                                     weight_spans, with_mask_texts)
+from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import OutputStream
+from vllm.v1.engine.input_processor import check_max_tokens
 
 
 class OpenAIServingGenerate(OpenAIServing):
@@ -33,7 +35,10 @@ class OpenAIServingGenerate(OpenAIServing):
         self.model_name(request.model)
         params = request.to_sampling_params()
         if not request.token_ids:
-            raise ValueError("token_ids must be a non-empty list of prompt token ids.")
+            raise VLLMValidationError("token_ids must be a non-empty list of prompt token ids.",
+                                      parameter="token_ids")
+        check_max_tokens(params.max_tokens, len(request.token_ids), self.max_model_len,
+                         "sampling_params.max_tokens")
         queue = await self.engine.add_request(request.request_id, {"prompt_token_ids": list(request.token_ids)},
                                               params)
         gen = self.engine.stream_outputs(request.request_id, queue)

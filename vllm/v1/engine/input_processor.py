@@ -1,13 +1,16 @@
 """InputProcessor: a user prompt and SamplingParams -> a validated EngineCoreRequest.
 
-Every check on a request happens here, before the request reaches the engine core, and fails with a ValueError
-that says what to change (HTTP 400 at the server); a rejected request leaves the engine untouched.
+Every check on a request happens here, before the request reaches the engine core, and fails with a
+VLLMValidationError (a ValueError naming the field) that says what to change (HTTP 400 at the server); a rejected
+request leaves the engine untouched.
 
 Invariants of the returned request:
-- `prompt_token_ids` is non-empty, every id is in [0, vocab_size), and `len(prompt) < max_model_len`.
+- `prompt_token_ids` is non-empty, every id is an int in [0, vocab_size), and `len(prompt) < max_model_len`; a text
+  prompt is valid Unicode (no lone surrogates, which the tokenizer cannot take).
 - `sampling_params` is a copy (the caller's object is never mutated) with `max_tokens` resolved:
-  None -> max_model_len - prompt_len; a larger value is capped silently so that prompt + output fits
-  (what vLLM's engine does; the HTTP layer may reject such requests earlier).
+  None -> max_model_len - prompt_len; a larger value is capped so that prompt + output fits, as vLLM's LLM and
+  AsyncLLM do. The OpenAI server refuses such a request instead, before adding it (`check_max_tokens`, vLLM's
+  400 and message).
 - `sampling_params.return_sampling_mask` is resolved to a bool: True iff the engine flag is on and the request
   did not opt out.
 - `eos_token_id` is the tokenizer's EOS (or generation_config.json / config.json's when there is no tokenizer);
@@ -20,11 +23,33 @@ import time
 from typing import Any
 
 from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.inputs import PROMPT_KEYS, PromptType
-from vllm.sampling_params import _SAMPLING_EPS, SamplingParams
+from vllm.sampling_params import _SAMPLING_EPS, SamplingParams, check_unicode
 from vllm.transformers_utils.tokenizer import Tokenizer, read_generation_eos_token_ids
 from vllm.utils import refuse_lora_request
 from vllm.v1.engine import EngineCoreRequest
+
+
+def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int,
+                     parameter: str = "max_tokens") -> None:
+    """The OpenAI server's rule (vLLM's, with its message, which clients parse): `max_tokens` may not exceed the
+    context the prompt leaves, `max_model_len - num_prompt_tokens`. A prompt that leaves no room at all is the
+    input processor's error, not this one."""
+    if max_tokens is None or num_prompt_tokens >= max_model_len:
+        return
+    room = max_model_len - num_prompt_tokens
+    if max_tokens > room:
+        raise VLLMValidationError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {num_prompt_tokens}).", parameter=parameter, value=max_tokens)
+
+
+def _asks_for_nothing(value: object) -> bool:
+    """A prompt key set to None or to an empty container ({}, [], ()) asks for nothing: verl sends
+    `TokensPrompt(prompt_token_ids=..., multi_modal_data={})` with every text request."""
+    return value is None or (isinstance(value, (dict, list, tuple)) and not value)
 
 
 class InputProcessor:
@@ -56,66 +81,74 @@ class InputProcessor:
             text: str | None = prompt
             token_ids: list[int] | None = None
         elif isinstance(prompt, dict):
-            # NOTE: a key set to None asks for nothing (TokensPrompt(..., multi_modal_data=None)): ignored.
-            unknown = [k for k in prompt.keys() - PROMPT_KEYS if prompt[k] is not None]
+            unknown = [k for k in prompt.keys() - PROMPT_KEYS if not _asks_for_nothing(prompt[k])]
             if unknown:
-                raise ValueError(
-                    f"Unsupported prompt key(s): {', '.join(sorted(map(repr, unknown)))}. This engine takes only "
-                    "'prompt' (text) and 'prompt_token_ids' (list of ints): it has no multimodal inputs, prompt "
-                    "embeddings, cache salts or encoder-decoder prompts. Remove the key(s).")
+                names = ", ".join(sorted(map(repr, unknown)))
+                raise VLLMValidationError(
+                    f"Unsupported prompt key(s): {names}. This engine takes only 'prompt' (text) and "
+                    "'prompt_token_ids' (list of ints): it has no multimodal inputs, prompt embeddings, cache salts "
+                    "or encoder-decoder prompts. Remove the key(s), or leave them None or empty.",
+                    parameter=str(sorted(unknown)[0]))
             text = prompt.get("prompt")
             token_ids = prompt.get("prompt_token_ids")
             if text is None and token_ids is None:
-                raise ValueError("A prompt dict needs a 'prompt' (text) or a 'prompt_token_ids' (list of ints) key.")
+                raise VLLMValidationError("A prompt dict needs a 'prompt' (text) or a 'prompt_token_ids' (list of "
+                                          "ints) key.", parameter="prompt")
             if text is not None and not isinstance(text, str):
-                raise ValueError(f"'prompt' must be a string, got {type(text).__name__}.")
+                raise VLLMValidationError(f"'prompt' must be a string, got {type(text).__name__}.",
+                                          parameter="prompt")
         else:
-            raise ValueError(f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
-                             f"got {type(prompt).__name__}.")
+            raise VLLMValidationError(f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': "
+                                      f"[int, ...]}}, got {type(prompt).__name__}.", parameter="prompt")
         if token_ids is not None:
             if not isinstance(token_ids, list) or any(isinstance(t, bool) or not isinstance(t, int)
                                                       for t in token_ids):
-                raise ValueError("'prompt_token_ids' must be a list of integers.")
+                raise VLLMValidationError("'prompt_token_ids' must be a list of integers.",
+                                          parameter="prompt_token_ids")
             return list(token_ids), text
         assert text is not None
         if self.tokenizer is None:
-            raise ValueError("The engine runs with skip_tokenizer_init, so prompts must be token ids: pass "
-                             "{'prompt_token_ids': [...]} instead of text.")
+            raise VLLMValidationError("The engine runs with skip_tokenizer_init, so prompts must be token ids: pass "
+                                      "{'prompt_token_ids': [...]} instead of text.", parameter="prompt")
+        check_unicode(text, "prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens), text
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
-            raise ValueError("The prompt is empty: send at least one token.")
+            raise VLLMValidationError("The prompt is empty: send at least one token.", parameter="prompt")
         vocab_size = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"Prompt token id {bad[0]} is out of vocabulary range [0, {vocab_size}).")
+            raise VLLMValidationError(f"Prompt token id {bad[0]} is out of vocabulary range [0, {vocab_size}).",
+                                      parameter="prompt_token_ids", value=bad[0])
         prompt_len = len(prompt_token_ids)
         if prompt_len >= self.max_model_len:
-            raise ValueError(f"The prompt ({prompt_len} tokens) is longer than the maximum model length of "
+            raise VLLMValidationError(f"The prompt ({prompt_len} tokens) is longer than the maximum model length of "
                              f"{self.max_model_len} tokens, leaving no room for an output token. Make the prompt "
-                             "shorter or start the engine with a larger --max-model-len.")
+                             "shorter or start the engine with a larger --max-model-len.", parameter="prompt")
 
     def _validate_params(self, params: SamplingParams) -> None:
         max_logprobs = self.model_config.max_logprobs
         if params.logprobs is not None and params.logprobs > max_logprobs:
-            raise ValueError(f"Requested logprobs={params.logprobs}, more than the maximum of {max_logprobs}; "
-                             "ask for fewer or start the engine with a larger --max-logprobs.")
+            raise VLLMValidationError(f"Requested logprobs={params.logprobs}, more than the maximum of "
+                                      f"{max_logprobs}; ask for fewer or start the engine with a larger "
+                                      "--max-logprobs.", parameter="logprobs", value=params.logprobs)
         if params.stop and (self.tokenizer is None or not params.detokenize):
-            raise ValueError("Stop strings need detokenized text: drop 'stop', or set detokenize=True on an "
-                             "engine that loads its tokenizer (no skip_tokenizer_init); stop_token_ids work "
-                             "without text.")
+            raise VLLMValidationError("Stop strings need detokenized text: drop 'stop', or set detokenize=True on "
+                                      "an engine that loads its tokenizer (no skip_tokenizer_init); stop_token_ids "
+                                      "work without text.", parameter="stop")
         engine_masks = self.model_config.return_sampling_mask
         if params.return_sampling_mask and not engine_masks:
-            raise ValueError("return_sampling_mask=True was requested, but this engine does not return sampling "
-                             "masks: start the engine with --return-sampling-mask (LLM(..., "
-                             "return_sampling_mask=True)).")
+            raise VLLMValidationError("return_sampling_mask=True was requested, but this engine does not return "
+                                      "sampling masks: start the engine with --return-sampling-mask (LLM(..., "
+                                      "return_sampling_mask=True)).", parameter="return_sampling_mask")
         if engine_masks and params.return_sampling_mask is not False:
             if params.temperature < _SAMPLING_EPS or params.top_k <= 0:
-                raise ValueError(
+                raise VLLMValidationError(
                     "This engine returns sampling masks (--return-sampling-mask), which requires temperature > 0 "
                     f"and top_k > 0 (top_k bounds the mask's size); got temperature={params.temperature}, "
-                    f"top_k={params.top_k}. Set both, or opt this request out with return_sampling_mask=False.")
+                    f"top_k={params.top_k}. Set both, or opt this request out with return_sampling_mask=False.",
+                    parameter="temperature" if params.temperature < _SAMPLING_EPS else "top_k")
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float | None = None, add_special_tokens: bool = True, *,
@@ -126,11 +159,11 @@ class InputProcessor:
         `lora_request` and `priority` are vLLM's; only their defaults (None, 0) are accepted.
         """
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
+            raise VLLMValidationError(f"params must be SamplingParams, got {type(params).__name__}.")
         refuse_lora_request(lora_request)
         if priority != 0:
-            raise ValueError(f"priority={priority!r} is not supported: requests are scheduled first come, first "
-                             "served (no priority scheduling); pass priority=0.")
+            raise VLLMValidationError(f"priority={priority!r} is not supported: requests are scheduled first come, "
+                                      "first served (no priority scheduling); pass priority=0.", parameter="priority")
         prompt_token_ids, prompt_text = self._tokenize(prompt, add_special_tokens)
         self._validate_prompt(prompt_token_ids)
         self._validate_params(params)
