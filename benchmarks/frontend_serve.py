@@ -132,6 +132,7 @@ def replay_core(vllm_config: Any, device_ms: float, device_ms_per_row: float, ma
             self.batch_queue = deque()
             self.step_timer = StepTimer()
             self.worker = _ReplayWorker(vllm_config, self.scheduler, device_ms, device_ms_per_row, mask_size)
+            self._init_lifecycle()
 
     return ReplayCore()
 

@@ -53,6 +53,9 @@ for s in $stages; do
         --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
         --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
         --json-out "$OUT/throughput_base.json" 2>&1 | grep -v Warning | tee "$OUT/throughput_base.txt") ;;
+    weight_update)  # in-place weight updates (docs/rl.md): disk from the page cache, IPC from a second process
+      python3 benchmarks/benchmark_weight_update.py --json-out "$OUT/weight_update.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/weight_update.txt" ;;
     throughput) python3 benchmarks/benchmark_throughput.py --model benchmarks/configs/qwen2.5-1.5b-instruct \
         --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
         --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \

@@ -215,7 +215,7 @@ def _pad_like_a_mixed_graph(query: torch.Tensor, key: torch.Tensor, value: torch
     block_table = torch.stack([r[2] for r in rows])
     pad_slots = scratch * block_size + torch.arange(num_pad) % block_size
     slot_mapping = torch.cat([meta.slot_mapping.cpu(), pad_slots])
-    extra = lambda t: torch.cat([t.cpu(), torch.randn((num_pad, *t.shape[1:]), generator=gen).to(t)])  # noqa: E731
+    extra = lambda t: torch.cat([t.cpu(), torch.randn((num_pad, *t.shape[1:]), generator=gen).to(t.dtype)])  # noqa: E731
     padded = AttentionMetadata(
         num_actual_tokens=total, num_reqs=len(rows), max_query_len=max(total, 2), max_seq_len=int(seq.max()),
         query_start_loc=query_start_loc.to(DEVICE), seq_lens=seq.to(DEVICE), block_table=block_table.to(DEVICE),

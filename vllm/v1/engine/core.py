@@ -82,7 +82,10 @@ class EngineCore:
             copier.timer = self.step_timer
             copier.device_timing = envs.VLLM_ENGINE_STEP_TIMING
             copier.defer_mask_lists = envs.VLLM_ENGINE_DEFER_MASK_LISTS
-        # The RL lifecycle (module docstring).
+        self._init_lifecycle()
+
+    def _init_lifecycle(self) -> None:
+        """The RL lifecycle's state (module docstring): not paused, no update, weights not named."""
         self.pause_mode: str | None = None
         self.updating_weights = False
         self.weight_version: str | None = None
