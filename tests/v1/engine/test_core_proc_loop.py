@@ -38,7 +38,7 @@ def _run(core: Any, log: list[Any], aborts_at: int | None = None, stops_at: int 
     """The loop until its second blocking poll (or poll number `stops_at`, a SHUTDOWN); poll number `aborts_at`
     reports an abort."""
     proc = EngineCoreProc.__new__(EngineCoreProc)  # the loop only: inputs and sends are scripted
-    proc.engine_core, proc.should_stop, proc.deferred_calls = core, False, []
+    proc.engine_core, proc.should_stop = core, False
     proc.launches_ahead = getattr(core, "launches_ahead", False)
     polls, blocking = [0], [0]
 

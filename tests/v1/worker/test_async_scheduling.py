@@ -193,8 +193,8 @@ def test_launch_ahead_keeps_two_steps_in_flight_while_outputs_are_processed(monk
         assert core.launches_ahead is bool(ahead)
         seen: list[int] = []
         process = engine.output_processor.process_outputs
-        engine.output_processor.process_outputs = lambda outs, p=process, s=seen, c=core: (
-            s.append(len(c.batch_queue)), p(outs))[1]
+        engine.output_processor.process_outputs = lambda outs, *rest, p=process, s=seen, c=core: (
+            s.append(len(c.batch_queue)), p(outs, *rest))[1]
         results[ahead] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
         in_flight[ahead] = seen
         assert not core.has_unfinished_requests() and not core.batch_queue

@@ -71,6 +71,9 @@ class EngineCoreProc:
     """Owns the sockets and the loop; `engine_core` is anything with EngineCore's four methods (add_request,
     abort_requests, has_unfinished_requests, step), and optionally its `launches_ahead` and `launch_ahead`."""
 
+    # Utility calls whose result is not ready yet: (client, call id, Deferred); replaced, never mutated in place.
+    deferred_calls: tuple[tuple[int, int, Deferred], ...] = ()
+
     def __init__(self, engine_core: Any, input_addresses: list[str], output_addresses: list[str],
                  parent_pid: int) -> None:
         self.engine_core = engine_core
@@ -92,8 +95,6 @@ class EngineCoreProc:
         self.request_decoder = MsgpackDecoder(EngineCoreRequest)
         self.generic_decoder = MsgpackDecoder()
         self.should_stop = False
-        # Utility calls whose result is not ready yet: (client, call id, Deferred).
-        self.deferred_calls: list[tuple[int, int, Deferred]] = []
         # VLLM_ENGINE_SEND_COPY: every output frame copied by pyzmq (an experiment; zero-copy by default).
         self.send_copy = envs.VLLM_ENGINE_SEND_COPY
 
@@ -196,7 +197,7 @@ class EngineCoreProc:
             self._send_result(client, call_id, False, e)
             return True
         if isinstance(result, Deferred):
-            self.deferred_calls.append((client, call_id, result))
+            self.deferred_calls = (*self.deferred_calls, (client, call_id, result))
         else:
             self._send_result(client, call_id, True, result)
         return True
@@ -226,7 +227,7 @@ class EngineCoreProc:
                 self._send_result(client, call_id, True, deferred.result())
             else:
                 waiting.append((client, call_id, deferred))
-        self.deferred_calls = waiting
+        self.deferred_calls = tuple(waiting)
 
     def _process_inputs(self, block: bool) -> bool:
         aborted = False
