@@ -12,6 +12,9 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,6 +133,45 @@ def test_sigterm_stops_the_whole_group(count: int, tmp_path: Any) -> None:
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}")
     assert [p.name for p in tmp_path.glob("vllm-core-*")] == []
+
+
+def _alive(pid: int) -> bool:
+    """Running (an exited orphan may stay a zombie until some reaper gets to it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_sigkill_of_the_server_stops_the_engine_core_and_removes_its_sockets(count: int, tmp_path: Any) -> None:
+    """A SIGKILLed API server (or launcher) runs no cleanup: the engine core sees its parent exit (a pidfd it
+    waits on), stops at once whatever it is doing, and removes the socket folder itself; with several API servers
+    they then see the core gone and exit too."""
+    srv = start_server(["--api-server-count", str(count), "--max-model-len", "128", "--max-num-seqs", "4"],
+                       extra_env={"TMPDIR": str(tmp_path)})
+    children = spawn_children(srv)
+    core = children[0]
+    # A request in flight: the core is busy stepping, not waiting for input, when its parent dies.
+    streaming = subprocess.Popen([sys.executable, "-c", (
+        "import httpx, sys; httpx.post(sys.argv[1] + '/v1/completions', timeout=60, json={'prompt': 'x', "
+        "'max_tokens': 120, 'ignore_eos': True})"), srv.url])
+    time.sleep(1.0)
+    srv.proc.kill()
+    srv.proc.wait(30)
+    killed_at = time.monotonic()
+    while _alive(core) and time.monotonic() - killed_at < 30:
+        time.sleep(0.05)
+    # NOTE: a bound with room for a loaded CI machine; the pidfd wakes the core at once (well under 2 s).
+    assert time.monotonic() - killed_at < 5, "the engine core outlived its parent"
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in children)
+    assert [p.name for p in tmp_path.glob("vllm-core-*")] == []
+    streaming.kill()
+    streaming.wait()
 
 
 def test_killing_the_engine_core_exits_the_group_nonzero(group: RemoteServer) -> None:

@@ -27,7 +27,9 @@ Invariants:
 - A utility call runs between steps. Outputs it produced (EngineCore.pending_outputs: steps it drained, aborts
   of a pause) are sent before its result; a result that is a `Deferred` (pause) is sent once ready, checked
   after every step.
-- The loop ends when the parent process is gone (checked while idle), on SIGTERM/SIGINT, or on SHUTDOWN.
+- The loop ends when the parent process is gone (a watcher thread turns its exit into SIGTERM at once, whatever
+  the loop is doing; the core then removes the sockets' folder the parent left), on SIGTERM/SIGINT, or on
+  SHUTDOWN.
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ import logging
 import math
 import os
 import pickle
+import select
+import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -349,6 +354,7 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
     output_addresses = [output_address] if isinstance(output_address, str) else list(output_address)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, _raise_system_exit)
+    _watch_parent(parent_pid)
     # NOTE: a spawned process starts without the parent's logging set-up (a no-op when it has one).
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     proc: EngineCoreProc | None = None
@@ -390,8 +396,39 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
         if proc is not None:
             proc.close()
         ctx.term()
+        if os.getppid() != parent_pid:
+            # NOTE: the parent died (killed) without removing the sockets' folder: this process does.
+            _remove_socket_dirs(input_addresses + output_addresses)
         if exit_code:
             os._exit(exit_code)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """SIGTERM to this process (SystemExit in its main thread, then its cleanup) as soon as the parent process
+    dies, whatever the loop is doing (a step, a weight transfer): a daemon thread waits on a pidfd of the parent
+    (on Linux; elsewhere it checks the parent pid twice a second). Not PR_SET_PDEATHSIG: that fires when the
+    parent's *thread* that started this process ends, which an engine built in a short-lived thread would hit."""
+    def wait_then_stop() -> None:
+        try:
+            fd = os.pidfd_open(parent_pid)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None and os.getppid() == parent_pid:
+            select.select([fd], [], [])  # readable once the parent has exited
+        else:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+        logger.warning("The parent process (pid %d) is gone: the engine core stops.", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait_then_stop, name="EngineCoreParentWatch", daemon=True).start()
+
+
+def _remove_socket_dirs(addresses: list[str]) -> None:
+    """The temp folders of the ipc:// addresses (the launcher's vllm-core-*), when the launcher could not."""
+    for folder in {os.path.dirname(a.removeprefix("ipc://")) for a in addresses if a.startswith("ipc://")}:
+        if os.path.basename(folder).startswith("vllm-core-"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _report_startup_error(ctx: zmq.Context, output_addresses: list[str], error: Exception) -> None:
