@@ -180,6 +180,53 @@ def test_bad_admin_calls_are_400_and_change_nothing(disk_server: RemoteServer, t
         _assert_serves(http, reference["old"])
 
 
+def test_collective_rpc_timeout_is_a_504_and_the_engine_goes_on(disk_server: RemoteServer) -> None:
+    with httpx.Client(base_url=disk_server.url, timeout=120) as http:
+        resp = http.post("/collective_rpc", json={"method": "probe_sleep", "args": [2.0], "timeout": 0.3})
+        _error(resp, 504, "did not finish within 0.3 s")
+        resp = http.post("/collective_rpc", json={"method": "probe_sleep", "kwargs": {"seconds": 0.1}})
+        assert resp.json() == {"results": [0.1]}
+
+
+def test_any_api_server_pauses_the_one_engine_core(checkpoints: dict[str, Path]) -> None:
+    """--api-server-count 2: requests on both API servers stop at a keep-mode pause sent through either, go on
+    after resume, and an abort-mode pause ends every request of both with finish_reason "abort"."""
+    srv = _serve(["--api-server-count", "2"])
+    try:
+        async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            # NOTE: one connection per request, so the kernel spreads them over both API servers.
+            def client() -> httpx.AsyncClient:
+                return httpx.AsyncClient(base_url=srv.url, timeout=300,
+                                         limits=httpx.Limits(max_keepalive_connections=0))
+
+            async def one(index: int, max_tokens: int) -> dict[str, Any]:
+                async with client() as http:
+                    return await _stream(http, index, max_tokens)
+
+            async with client() as admin:
+                kept = [asyncio.create_task(one(i, 64)) for i in range(8)]
+                await asyncio.sleep(1.0)
+                for _ in range(3):  # the calls land on either API server
+                    assert (await admin.post("/pause", params={"mode": "keep"})).status_code == 200
+                    assert (await admin.get("/is_paused")).json() == {"is_paused": True}
+                assert (await admin.post("/resume")).status_code == 200
+                kept_results = await asyncio.gather(*kept)
+                aborted = [asyncio.create_task(one(i, 400)) for i in range(8)]
+                await asyncio.sleep(1.5)
+                assert (await admin.post("/pause", params={"mode": "abort"})).status_code == 200
+                aborted_results = await asyncio.gather(*aborted)
+                assert (await admin.post("/resume")).status_code == 200
+            return kept_results, aborted_results
+
+        kept, aborted = asyncio.run(run())
+        for result in kept:
+            assert result["done"] == 1 and result["finish"] == "length" and len(result["token_ids"]) == 64
+        for result in aborted:
+            assert result["done"] == 1 and result["finish"] == "abort" and len(result["token_ids"]) < 400
+    finally:
+        stop_server(srv)
+
+
 def test_admin_endpoints_are_mounted_only_in_dev_mode(server: RemoteServer) -> None:
     with httpx.Client(base_url=server.url, timeout=30) as http:
         for method, path in [("POST", "/pause"), ("POST", "/resume"), ("POST", "/update_weights"),
@@ -187,8 +234,8 @@ def test_admin_endpoints_are_mounted_only_in_dev_mode(server: RemoteServer) -> N
             assert http.request(method, path).status_code == 404, path
 
 
-async def _stream(http: httpx.AsyncClient, index: int) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": [7 + index, 11, 13 + index], "max_tokens": 32, "temperature": 1.0,
+async def _stream(http: httpx.AsyncClient, index: int, max_tokens: int = 32) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": [7 + index, 11, 13 + index], "max_tokens": max_tokens, "temperature": 1.0,
             "top_k": 20, "seed": index, "ignore_eos": True, "stream": True, "return_token_ids": True}
     token_ids: list[int] = []
     masks: list[list[int]] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -23,6 +24,11 @@ class ProbeExtension:
         shape = model.checkpoint_weight_shape(name)
         model.load_weights(weights=[(name, torch.full(shape, value))])
         return float(dict(model.named_parameters())[name].sum())
+
+
+    def probe_sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
 
 
 class ClashingExtension:
