@@ -116,7 +116,16 @@ def main() -> None:
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=512, max_tokens=args.output_len, ignore_eos=True,
                             logprobs=1)
-    throughput(llm, prompts[:16], params)  # warm-up
+    throughput(llm, prompts, params)  # warm-up: the sampler graphs of every batch size are captured here
+    runner = llm.llm_engine.engine_core.engine_core.worker.model_runner
+
+    def graph_ids() -> list[int]:
+        """Identities of every captured CUDA graph (forward, mixed, sampler): unchanged by an update."""
+        managers = [runner.cudagraphs.graphs, runner.mixed_graphs.graphs,
+                    runner.sampler_graphs.graphs if runner.sampler_graphs is not None else {}]
+        return sorted(id(g) for m in managers for g, _ in m.values())
+
+    graphs_before = graph_ids()
     result: dict[str, Any] = {"tokens_per_s_before": [throughput(llm, prompts, params) for _ in range(2)]}
 
     nbytes = write_checkpoint(model, args.ckpt_dir)
@@ -125,9 +134,8 @@ def main() -> None:
     disk = []
     for _ in range(args.rounds):
         t0 = time.perf_counter()
-        llm.start_weight_update()
-        llm.collective_rpc("load_weights_from_disk", args=(os.path.abspath(args.ckpt_dir),))
-        llm.finish_weight_update("disk")
+        # NOTE: the engine-core call behind prime-rl's /update_weights {"weight_dir"} (start, load, finish).
+        llm.llm_engine.engine_core.call_utility("load_weights_from_disk", os.path.abspath(args.ckpt_dir), "disk")
         disk.append(time.perf_counter() - t0)
     result["disk_s"] = disk
 
@@ -152,6 +160,8 @@ def main() -> None:
     result["ipc_s"] = ipc
     result["ipc_checksum_mismatches"] = mismatches
     result["tokens_per_s_after"] = [throughput(llm, prompts, params) for _ in range(2)]
+    result["num_graphs"] = len(graphs_before)
+    result["graphs_unchanged"] = graph_ids() == graphs_before
     result["after_over_before"] = statistics.median(result["tokens_per_s_after"]) / statistics.median(
         result["tokens_per_s_before"])
     result["device"] = torch.cuda.get_device_name()

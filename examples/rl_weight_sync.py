@@ -3,8 +3,11 @@ weights into the running engine over the nccl backend (gloo on CPU), generate ag
 
     python examples/rl_weight_sync.py [MODEL_DIR]
 
-The trainer here "trains" by adding noise to the weights; a real one sends its model's parameters. docs/rl.md
-has the HTTP form of the same calls (`vllm serve ... --weight-transfer-config '{"backend": "nccl"}'`).
+The trainer here "trains" by adding noise to the weights; a real one sends its model's parameters. Both sides run
+on CPU (the group is gloo): on one GPU a trainer and the engine cannot both be ranks of an NCCL group (NCCL needs
+a GPU per rank; a colocated trainer uses the ipc backend instead), with a GPU each they use `device="cuda"` and
+NCCL. docs/rl.md has the HTTP form of the same calls (`vllm serve ... --weight-transfer-config
+'{"backend": "nccl"}'`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def trainer(model_dir: str, port: int, steps: int) -> None:
     """Rank 0 of the weight-transfer group: one packed broadcast of all weights per training step."""
     from vllm.distributed.weight_transfer import NCCLWeightTransferEngine
     group = NCCLWeightTransferEngine.trainer_init({"master_address": "127.0.0.1", "master_port": port,
-                                                   "world_size": 2})
+                                                   "world_size": 2, "device": "cpu"})
     for step in range(1, steps + 1):
         weights = trained_weights(model_dir, step)
         NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"group": group, "packed": True})
@@ -46,8 +49,8 @@ def main() -> None:
     proc = multiprocessing.get_context("spawn").Process(target=trainer, args=(model_dir, port, steps))
     proc.start()
 
-    llm = LLM(model_dir, max_model_len=256, return_sampling_mask=True, logprobs_mode="processed_logprobs",
-              weight_transfer_config={"backend": "nccl"})
+    llm = LLM(model_dir, device="cpu", max_model_len=256, return_sampling_mask=True,
+              logprobs_mode="processed_logprobs", weight_transfer_config={"backend": "nccl"})
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, max_tokens=12, seed=0, logprobs=1)
     prompts = ["The function", "Once upon a time"]
     llm.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,

@@ -81,7 +81,8 @@ def _trainer(master_port: int, default_port: int, device: str, updates: mp.Queue
             torch.cuda.set_device(device)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{default_port}", rank=0, world_size=1)
         group = NCCLWeightTransferEngine.trainer_init(
-            {"master_address": "127.0.0.1", "master_port": master_port, "world_size": 2, "timeout_s": 20})
+            {"master_address": "127.0.0.1", "master_port": master_port, "world_size": 2, "timeout_s": 20,
+             "device": device})
         for seed, options, _ in SCENARIOS:
             tensors = [(n, t.to(device)) for n, t in _make_tensors(seed)]
             updates.put(update_info_from_tensors(tensors, **options))

@@ -138,6 +138,7 @@ def test_skyrl_remote_client_sequence(disk_server: RemoteServer, checkpoints: di
         resp = http.post("/collective_rpc", json={"method": "probe_report"})
         assert resp.json() == {"results": [{"device": "cpu", "rank": 0, "local_rank": 0,
                                             "dtype": "torch.float32", "num_params": 14}]}
+        assert http.post("/collective_rpc", json={"method": "probe_dist"}).json() == {"results": [[True, 0, 1]]}
         choice = _generate(http, SEEDED)
         assert choice["token_ids"] == reference["new"]["seeded"]
         assert choice["weight_versions"] == [{"weight_version": "step-1", "start": 0, "end": 16}]
@@ -164,6 +165,13 @@ def test_bad_admin_calls_are_400_and_change_nothing(disk_server: RemoteServer, t
         _error(http.post("/init_weight_transfer_engine", json={"init_info": {"port": 1}}), 400, "init_info")
         _error(http.post("/collective_rpc", json={}), 400, "method")
         _error(http.post("/collective_rpc", json={"method": "nope"}), 400, "no method 'nope'")
+        _error(http.post("/collective_rpc", json={"method": "initialize_kv_cache", "args": [1]}), 400,
+               "the engine's own step")
+        _error(http.post("/collective_rpc", json={"method": "probe_sleep"}), 400, "bad arguments for 'probe_sleep'")
+        _error(http.post("/update_weights", json={"weight_dir": "/nonexistent/dir", "weight_version": "x"}), 400,
+               "/nonexistent/dir")
+        assert http.get("/weight_info").json() == {"weight_version": "step-2"}  # a refused load names nothing
+        _error(http.post("/update_weights", json={"weight_dir": "/x", "weight_version": 7}), 400, "weight_version")
         _error(http.post("/collective_rpc", json={"method": "probe_report", "timeout": -1}), 400, "timeout")
         _error(http.post("/sleep", params={"level": 1}), 400, "sleep mode is not supported yet")
         _error(http.post("/wake_up"), 400, "sleep mode is not supported yet")

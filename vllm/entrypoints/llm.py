@@ -49,9 +49,9 @@ class LLM:
         """One RequestOutput per prompt, in order. lora_request must be None (no LoRA); priority (vLLM's, one per
         prompt) None or all 0 (no priority scheduling)."""
         refuse_lora_request(lora_request)
-        if self.llm_engine.is_paused():
-            raise ValueError("The engine is paused: its requests would wait until resume_generation(); call "
-                             "llm.llm_engine.resume_generation() first.")
+        halted = self.llm_engine.engine_core.call_utility("generation_halted")
+        if halted is not None:
+            raise ValueError(f"The engine cannot generate now: {halted}; its requests would never finish.")
         if priority is not None and any(p != 0 for p in priority):
             raise ValueError(f"priority={list(priority)!r} is not supported: requests are scheduled first come, "
                              "first served (no priority scheduling); pass priority=None.")

@@ -26,6 +26,11 @@ class ProbeExtension:
         return float(dict(model.named_parameters())[name].sum())
 
 
+    def probe_dist(self) -> list[Any]:
+        """What OpenRLHF-style extensions read first: the default process group and this worker's rank in it."""
+        import torch.distributed as dist
+        return [dist.is_initialized(), dist.get_rank(), dist.get_world_size()]
+
     def probe_sleep(self, seconds: float) -> float:
         time.sleep(seconds)
         return seconds

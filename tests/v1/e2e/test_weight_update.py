@@ -94,7 +94,7 @@ def _trainer(port: int, rounds: list[tuple[str, dict[str, Any]]]) -> None:
     """The trainer process: rank 0 of the weight group, sending one checkpoint per round."""
     from vllm.distributed.weight_transfer import NCCLWeightTransferEngine
     group = NCCLWeightTransferEngine.trainer_init({"master_address": "127.0.0.1", "master_port": port,
-                                                   "world_size": 2})
+                                                   "world_size": 2, "device": "cpu"})
     for which, args in rounds:
         weights = perturbed_weights() if which == "new" else bundled_weights()
         NCCLWeightTransferEngine.trainer_send_weights(iter(sorted(weights.items())), {"group": group, **args})

@@ -119,3 +119,8 @@ class Deferred:
     def __init__(self, ready: Callable[[], bool], result: Callable[[], Any]) -> None:
         self.ready = ready
         self.result = result
+
+
+class EngineStepError(RuntimeError):
+    """A step failed inside a utility call (the steps it drained): fatal for the engine core, as a failed step
+    in its loop is, not an error of the call."""

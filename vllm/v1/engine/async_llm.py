@@ -308,12 +308,8 @@ class AsyncLLM:
 
     async def load_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """A whole update from a folder of safetensors (prime-rl's /update_weights {"weight_dir"}), whatever the
-        configured backend: start, load (checked whole first), finish."""
-        await self._call("start_weight_update", True)
-        try:
-            await self._call("collective_rpc", "load_weights_from_disk", None, (path,), None)
-        finally:
-            await self._call("finish_weight_update", weight_version)
+        configured backend, in one engine-core call (EngineCore.load_weights_from_disk)."""
+        await self._call("load_weights_from_disk", path, weight_version)
 
     async def abort(self, request_id: str | list[str]) -> None:
         self._abort_now([request_id] if isinstance(request_id, str) else list(request_id))
@@ -381,4 +377,5 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self.output_handler is not None and not self.output_handler.done():
             self.output_handler.cancel()
+        self.engine_core.fail_calls(EngineDeadError("The engine was shut down."))
         self.engine_core.shutdown()

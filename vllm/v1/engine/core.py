@@ -50,7 +50,8 @@ from vllm.config import VllmConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStepError,
+                             FinishReason)
 from vllm.v1.metrics.step_timing import StepTimer
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
@@ -165,8 +166,8 @@ class EngineCore:
     # ------------------------------------------------------------------ the RL lifecycle (module docstring)
 
     UTILITY_METHODS = frozenset({
-        "pause_generation", "resume_generation", "is_paused", "abort_all_requests", "collective_rpc",
-        "init_weight_transfer_engine",
+        "pause_generation", "resume_generation", "is_paused", "abort_all_requests", "generation_halted",
+        "collective_rpc", "init_weight_transfer_engine", "load_weights_from_disk",
         "start_weight_update", "update_weights", "finish_weight_update", "get_weight_version",
         "update_weight_version", "weight_info", "reset_prefix_cache"})
 
@@ -174,9 +175,12 @@ class EngineCore:
         """Finish every step in flight now (no new one is launched); their outputs go to `pending_outputs`."""
         while self.batch_queue:
             scheduler_output, future = self.batch_queue.popleft()
-            outputs = self.scheduler.update_from_output(scheduler_output, future.get_output())
+            try:
+                outputs = self.scheduler.update_from_output(scheduler_output, future.get_output())
+                outputs.resolve_step_rows()  # NOTE: kept past later steps: nothing left pending on a staging slot
+            except Exception as e:
+                raise EngineStepError(f"A step failed while a utility call drained the steps in flight: {e!r}") from e
             outputs.weight_version = self.weight_version
-            outputs.resolve_step_rows()  # NOTE: kept past later steps: nothing left pending on a staging slot
             self.pending_outputs.append(outputs)
 
     def _set_halt(self) -> None:
@@ -205,10 +209,18 @@ class EngineCore:
         scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         scheduler._aborted_req_ids.difference_update(request_ids)
         if request_ids:
+            # NOTE: no scheduler stats here: they would count the last step's preemptions again.
             self.pending_outputs.append(EngineCoreOutputs(
-                outputs=[EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in request_ids],
-                scheduler_stats=scheduler.make_stats()))
+                outputs=[EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in request_ids]))
         return len(request_ids)
+
+    def generation_halted(self) -> str | None:
+        """Why nothing is scheduled now (a pause, a weight update in progress), or None."""
+        if self.updating_weights:
+            return "a weight update is in progress (call finish_weight_update)"
+        if self.pause_mode is not None:
+            return f"generation is paused (mode {self.pause_mode!r}; call resume_generation)"
+        return None
 
     def resume_generation(self) -> None:
         if self.pause_mode is None:
@@ -257,24 +269,41 @@ class EngineCore:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self.updating_weights:
             raise ValueError("No weight update is in progress: call start_weight_update first.")
-        if weight_version is not None and not isinstance(weight_version, str):
-            raise ValueError(f"weight_version must be a string or null, got {weight_version!r}.")
-        self.worker.finish_weight_update()
-        self.updating_weights = False
+        _check_version(weight_version, "weight_version")
+        try:
+            self.worker.finish_weight_update()
+        finally:
+            self.updating_weights = False
+            self._set_halt()
         if weight_version is not None:
             self.weight_version = weight_version
-        self._set_halt()
+
+    def load_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
+        """A whole update from a folder of safetensors, whatever the backend (prime-rl's /update_weights
+        {"weight_dir"}): start, load (checked whole first), finish; a failed load names no new version."""
+        _check_version(weight_version, "weight_version")
+        self.start_weight_update(True)
+        try:
+            self.worker.load_weights_from_disk(path)
+        except BaseException:
+            self.finish_weight_update(None)
+            raise
+        self.finish_weight_update(weight_version)
 
     def get_weight_version(self) -> str | None:
         return self.weight_version
 
     def update_weight_version(self, new_version: str | None) -> None:
         """Name the current weights (the tokens of later steps carry it) without changing them."""
-        if new_version is not None and not isinstance(new_version, str):
-            raise ValueError(f"new_version must be a string or null, got {new_version!r}.")
+        _check_version(new_version, "new_version")
         self._drain()
         self.weight_version = new_version
 
     def weight_info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "is_updating": self.updating_weights,
                 "parameters": self.worker.weight_info()}
+
+
+def _check_version(version: object, name: str) -> None:
+    if version is not None and not isinstance(version, str):
+        raise ValueError(f"{name} must be a string or null, got {version!r}.")

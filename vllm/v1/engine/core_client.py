@@ -155,6 +155,10 @@ class InprocClient(EngineCoreClient):
         result = getattr(core, method)(*args, **kwargs)
         if isinstance(result, Deferred):
             while not result.ready():
+                if not core.has_unfinished_requests():
+                    # NOTE: in process, only this loop steps the engine: with no work left (a weight update in
+                    # progress halts it) the call would never be ready.
+                    raise ValueError(f"{method} cannot finish: {core.generation_halted() or 'nothing runs'}.")
                 outputs = core.step()
                 outputs.materialize_step_rows()  # NOTE: kept past later steps: nothing left on a staging slot
                 core.pending_outputs.append(outputs)
@@ -269,7 +273,12 @@ class MPClient(EngineCoreClient):
         if kind == OUTPUTS:
             return self.outputs_decoder.decode(frames[1].buffer, [f.buffer for f in frames[2:]])
         if kind == UTILITY_RESULT:
-            call_id, ok, value = pickle.loads(frames[1].buffer)
+            call_id, ok, text = self.generic_decoder.decode(frames[1].buffer)
+            try:
+                value = pickle.loads(frames[2].buffer)
+            except Exception as e:  # NOTE: e.g. an extension's exception class this process cannot rebuild
+                ok, value = False, RuntimeError(f"The result of an engine-core call could not be read here "
+                                                f"({type(e).__name__}: {e}): {text or 'a result'}")
             self._on_result(call_id, ok, value)
             return None
         if kind == ERROR:
@@ -280,8 +289,10 @@ class MPClient(EngineCoreClient):
     def _on_result(self, call_id: int, ok: bool, value: Any) -> None:
         self._results[call_id] = (ok, value)
 
-    def _utility_frames(self, call_id: int, method: str, args: tuple, kwargs: dict[str, Any]) -> tuple[bytes, bytes]:
-        return EngineCoreRequestType.UTILITY.value, pickle.dumps((self.client_index, call_id, method, args, kwargs))
+    def _utility_frames(self, call_id: int, method: str, args: tuple, kwargs: dict[str, Any]
+                        ) -> tuple[bytes, bytes, bytes]:
+        return (EngineCoreRequestType.UTILITY.value, self.encoder.encode((self.client_index, call_id)),
+                pickle.dumps((method, args, kwargs)))
 
     @staticmethod
     def _result_value(ok: bool, value: Any) -> Any:

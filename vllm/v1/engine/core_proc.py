@@ -3,16 +3,18 @@
 It serves one or more frontends ("clients": API server processes with --api-server-count N; client i owns the
 i-th input and output address). Frames from a frontend (its PUSH -> our PULL, fair-queued over all clients):
 `[EngineCoreRequestType.value, payload]` with payload an encoded EngineCoreRequest (ADD), `(client index, list of
-request ids)` (ABORT) or a pickled `(client index, call id, method, args, kwargs)` (UTILITY: one of
-EngineCore.UTILITY_METHODS, or "shutdown"). Frames to a frontend (our PUSH -> its PULL): `[kind, payload]` with
-kind one of:
+request ids)` (ABORT), or for UTILITY `(client index, call id)` and a third frame, the pickled `(method, args,
+kwargs)` (one of EngineCore.UTILITY_METHODS, or "shutdown"). Frames to a frontend (our PUSH -> its PULL):
+`[kind, payload, ...]` with kind one of:
 - `READY`: sent once to every client after the model loaded and the KV cache was allocated; payload
   `{"num_gpu_blocks": n, "pid": pid}`;
 - `OUTPUTS`: an encoded EngineCoreOutputs, its large arrays (sampling masks) in frames of their own after it
   (MsgpackEncoder.encode_frames);
 - `ERROR`: a fatal error (at startup or in a step) as text, to every client; the process exits non-zero;
-- `UTILITY_RESULT`: a pickled `(call id, ok, value)` to the calling client only: the method's result, or
-  (ok False) the exception it raised (a ValueError stays a ValueError). A utility's failure never stops the core.
+- `UTILITY_RESULT`: `(call id, ok, text)` and the pickled value, to the calling client only: the method's result,
+  or (ok False) the exception it raised (a ValueError stays a ValueError); `text` describes it for a client that
+  cannot unpickle it. A call's failure never stops the core (unless a step it drained failed: EngineStepError),
+  and a call that cannot be unpickled here is answered with its error.
 
 Invariants:
 - Every input that is waiting is handled before the next step, so an ABORT frees its KV blocks before the
@@ -24,9 +26,9 @@ Invariants:
   scheduler stats go to every client. An ADD whose request id is already running (two API servers given the
   same id) is refused with an ABORT-finished output to its own client; the running request is untouched, also
   by an ABORT of that id from the refused client (a client aborts only its own requests).
-- A utility call runs between steps. Outputs it produced (EngineCore.pending_outputs: steps it drained, aborts
-  of a pause) are sent before its result; a result that is a `Deferred` (pause) is sent once ready, checked
-  after every step.
+- A utility call runs between steps. Its result is sent after every output of the steps before it (a step held
+  by launch-ahead, the steps it drained, the aborts of a pause: EngineCore.pending_outputs); a result that is a
+  `Deferred` (pause) once ready, checked after every step.
 - The loop ends when the parent process is gone (a watcher thread turns its exit into SIGTERM at once, whatever
   the loop is doing; the core then removes the sockets' folder the parent left), on SIGTERM/SIGINT, or on
   SHUTDOWN.
@@ -55,7 +57,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.profiling import maybe_cprofile
 from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
-                             FinishReason)
+                             EngineStepError, FinishReason)
 from vllm.v1.metrics.gc_timing import GcTimer
 from vllm.v1.serving_gc import freeze_startup_heap
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -189,32 +191,44 @@ class EngineCoreProc:
                     self.aborted_client[req_id] = self.client_of.pop(req_id)
             self.engine_core.abort_requests(list(request_ids))
             return True
-        client, call_id, method, args, kwargs = pickle.loads(payload)
-        if method == "shutdown":
-            self.should_stop = True
+        try:
+            client, call_id = self.generic_decoder.decode(payload)
+        except Exception:
+            logger.warning("A malformed engine-core utility call was dropped.")
             return False
         try:
+            method, args, kwargs = pickle.loads(frames[2])
+            if method == "shutdown":
+                self.should_stop = True
+                return False
             if method not in getattr(self.engine_core, "UTILITY_METHODS", ()):
                 raise ValueError(f"Unknown engine-core utility call {method!r}.")
             result = getattr(self.engine_core, method)(*args, **kwargs)
+        except EngineStepError:
+            raise
         except Exception as e:  # NOTE: a failed call is its caller's error, never the core's
-            logger.warning("Engine-core utility call %s failed: %s: %s", method, type(e).__name__, e)
-            self._send_result(client, call_id, False, e)
-            return True
-        if isinstance(result, Deferred):
-            self.deferred_calls = (*self.deferred_calls, (client, call_id, result))
-        else:
-            self._send_result(client, call_id, True, result)
+            logger.warning("Engine-core utility call failed: %s: %s", type(e).__name__, e)
+            result = _failed(e)
+        # NOTE: every result waits in deferred_calls (answered by the loop after the outputs before it).
+        if not isinstance(result, Deferred):
+            result = _done(result)
+        self.deferred_calls = (*self.deferred_calls, (client, call_id, result))
         return True
 
-    def _send_result(self, client: int, call_id: int, ok: bool, value: Any) -> None:
+    def _send_result(self, client: int, call_id: int, deferred: Deferred) -> None:
         # NOTE: the outputs the call produced go first, so the caller has them when its result arrives.
         self._send_pending()
         try:
-            payload = pickle.dumps((call_id, ok, value))
+            ok, value = True, deferred.result()
+        except Exception as e:
+            ok, value = False, e
+        text = "" if ok else f"{type(value).__name__}: {value}"
+        try:
+            body = pickle.dumps(value)
         except Exception as e:  # an unpicklable result or exception: its text
-            payload = pickle.dumps((call_id, False, RuntimeError(f"{type(value).__name__}: {value} ({e})")))
-        self.output_sockets[client].send_multipart((UTILITY_RESULT, payload), copy=self.send_copy)
+            ok, body = False, pickle.dumps(RuntimeError(f"{type(value).__name__}: {value} (not picklable: {e})"))
+        self.output_sockets[client].send_multipart((UTILITY_RESULT, self.encoder.encode((call_id, ok, text)), body),
+                                                   copy=self.send_copy)
 
     def _send_pending(self) -> None:
         pending = getattr(self.engine_core, "pending_outputs", None)
@@ -224,12 +238,10 @@ class EngineCoreProc:
             self.send_outputs(outputs)
 
     def _poll_deferred(self) -> None:
-        if not self.deferred_calls:
-            return
         waiting = []
         for client, call_id, deferred in self.deferred_calls:
             if deferred.ready():
-                self._send_result(client, call_id, True, deferred.result())
+                self._send_result(client, call_id, deferred)
             else:
                 waiting.append((client, call_id, deferred))
         self.deferred_calls = tuple(waiting)
@@ -300,7 +312,10 @@ class EngineCoreProc:
                     outputs = None
             elif aborted:
                 self.broadcast(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
-            if self.deferred_calls and outputs is None:
+            if self.deferred_calls and any(d.ready() for _, _, d in self.deferred_calls):
+                if outputs is not None:  # NOTE: a step held by launch-ahead goes before the results
+                    self._send_step(outputs, timer)
+                    outputs = None
                 self._poll_deferred()
             # Every few seconds, and when the core goes idle.
             if log_every is not None and timer.steps and (time.monotonic() - last_log >= log_every
@@ -368,6 +383,7 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
                     raise ValueError("VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS must be a finite number > 0, "
                                      f"got {interval_ms}")
                 sys.setswitchinterval(interval_ms / 1e3)
+            _init_default_process_group()
             if engine_core_factory is None:
                 from vllm.v1.engine.core import EngineCore
                 engine_core_factory = EngineCore
@@ -401,6 +417,25 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
             _remove_socket_dirs(input_addresses + output_addresses)
         if exit_code:
             os._exit(exit_code)
+
+
+def _init_default_process_group() -> None:
+    """A default torch.distributed group of one rank (gloo, an in-memory store), as vLLM's workers have one: RL
+    worker extensions check it and read their rank from it. Only here, in the engine's own process: an engine in
+    the caller's process leaves the caller's torch.distributed alone."""
+    import torch.distributed as dist
+    if dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _done(value: Any) -> Deferred:
+    return Deferred(lambda: True, lambda: value)
+
+
+def _failed(error: Exception) -> Deferred:
+    def fail() -> Any:
+        raise error
+    return Deferred(lambda: True, fail)
 
 
 def _watch_parent(parent_pid: int) -> None:

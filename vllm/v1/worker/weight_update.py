@@ -97,6 +97,8 @@ class WeightUpdater:
 
     def _apply(self, engine: Any, info: Any) -> None:
         self.check(list(info.names), list(info.dtype_names), [tuple(s) for s in info.shapes])
+        # NOTE: from here on every error, a ValueError too (a file changed since its header was read), may come
+        # after some copies: never "refused, nothing changed".
         try:
             with torch.no_grad():
                 if self.is_checkpoint_format:
@@ -107,8 +109,6 @@ class WeightUpdater:
                         params[name].data.copy_(tensor)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-        except ValueError:
-            raise
         except Exception as e:
             raise RuntimeError(f"The weight transfer failed midway ({type(e).__name__}: {e}); the weights may be "
                                "partly updated: send the whole update again.") from e

@@ -16,6 +16,7 @@ worker attributes: `model_runner` (its `.model`), `device`, `model_config`, `par
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -103,10 +104,18 @@ class Worker:
         """collective_rpc's work on this worker: a method by name (of the worker or its extension; not a private
         one), or a callable given the worker first."""
         if isinstance(method, str):
+            if method in ENGINE_ONLY_METHODS:
+                raise ValueError(f"collective_rpc: {method!r} is the engine's own step (it would break the running "
+                                 "engine); weight updates go through start_weight_update / update_weights / "
+                                 "finish_weight_update.")
             target = getattr(self, method, None) if not method.startswith("_") else None
             if not callable(target):
                 raise ValueError(f"collective_rpc: the worker has no method {method!r} (worker methods and those of "
                                  "--worker-extension-cls can be called, not private ones).")
+            try:
+                inspect.signature(target).bind(*args, **(kwargs or {}))
+            except TypeError as e:
+                raise ValueError(f"collective_rpc: bad arguments for {method!r}: {e}") from None
             return target(*args, **(kwargs or {}))
         if not callable(method):
             raise ValueError(f"collective_rpc: method must be a name or a callable, got {type(method).__name__}.")
@@ -131,13 +140,25 @@ class Worker:
         return self.weight_updater.weight_info()
 
 
+# Worker methods the engine calls in its own order (start-up, steps, the weight-update protocol, which the
+# engine core wraps with its halt and weight version): refused by name from collective_rpc.
+ENGINE_ONLY_METHODS = frozenset({
+    "determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up_model", "execute_model",
+    "execute_model_async", "call", "init_weight_transfer_engine", "start_weight_update", "update_weights",
+    "finish_weight_update", "load_weights_from_disk"})
+# What Worker.__init__ sets: an extension attribute of these names would be shadowed.
+_INSTANCE_ATTRIBUTES = frozenset({"vllm_config", "model_config", "parallel_config", "rank", "local_rank", "device",
+                                  "model_runner", "weight_updater"})
+
+
 def make_worker(vllm_config: VllmConfig) -> Worker:
     """The worker, with the methods of vllm_config.parallel_config.worker_extension_cls mixed in when set."""
     extension = vllm_config.parallel_config.worker_extension_cls
     if not extension:
         return Worker(vllm_config)
     ext_cls = resolve_worker_extension(extension)
-    clash = sorted(n for n in vars(ext_cls) if not n.startswith("__") and hasattr(Worker, n))
+    clash = sorted(n for n in dir(ext_cls)
+                   if not n.startswith("__") and (hasattr(Worker, n) or n in _INSTANCE_ATTRIBUTES))
     if clash:
         raise ValueError(f"worker_extension_cls {extension!r} defines {', '.join(clash)}, which the worker already "
                          "has; rename them.")

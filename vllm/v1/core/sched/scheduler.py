@@ -148,6 +148,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.halted:
             # Nothing runs; the runner still drops what finished (aborts while paused).
+            self._step_num_preemptions = 0
             halted_output = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
                                             num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                                             finished_req_ids=self.finished_req_ids)
