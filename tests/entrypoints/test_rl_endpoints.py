@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MODEL, REPO_ROOT, RemoteServer, start_server, stop_server
+import torch
+from conftest import MODEL, REPO_ROOT, RemoteServer, free_port, start_server, stop_server
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "v1", "e2e"))
 from rl_checkpoints import perturbed_weights, write_checkpoint  # noqa: E402
@@ -105,14 +107,68 @@ def test_prime_rl_orchestrator_update_sequence(disk_server: RemoteServer, checkp
             assert resp.status_code == 200 and resp.json() == {"status": "resumed"}
             _assert_serves(http, reference[which])
         assert http.get("/liveness").json() == {"status": "ok"}
-        # Its NCCL broadcaster is refused by name (the orchestrator tolerates the error), nothing else changes.
-        _error(http.post("/init_broadcaster", json={"host": "127.0.0.1", "port": 1, "rank_offset": 0,
-                                                    "inference_world_size": 1, "timeout": 5}), 400,
-               "init_broadcaster")
-        _error(http.post("/update_weights", json={"weight_dir": None}), 400, "weight_dir")
+        _error(http.post("/update_weights", json={"weight_dir": None}), 400, "/init_broadcaster first")
         _assert_serves(http, reference["new"])
         # Back to the bundled weights for the tests after this one.
         assert http.post("/update_weights", json={"weight_dir": str(checkpoints["old"])}).status_code == 200
+
+
+def _prime_rl_broadcaster(port: int, rounds: list[str]) -> None:
+    """prime-rl's trainer side: rank 0 of a StatelessProcessGroup + PyNcclCommunicator (gloo on CPU), one update
+    per round, one state dict per layer (and one for the rest), as its broadcaster sends them."""
+    from rl_checkpoints import bundled_weights, perturbed_weights
+
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    from vllm.distributed.weight_transfer.broadcast_receiver import send_state_dicts
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank=0, world_size=2, store_timeout=60)
+    communicator = PyNcclCommunicator(group, device="cpu")
+    for which in rounds:
+        weights = perturbed_weights() if which == "new" else bundled_weights()
+        if which == "bad":
+            weights = {"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
+        layers: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights.items():
+            layers.setdefault(name.split(".")[2] if ".layers." in name else "rest", {})[name] = tensor
+        send_state_dicts(communicator, list(layers.values()))
+
+
+def test_prime_rl_nccl_broadcaster_sequence(disk_server: RemoteServer, reference: dict[str, dict[str, Any]]) -> None:
+    """prime-rl's NCCL path: /init_broadcaster once, then per step pause keep -> /update_weights {"weight_dir":
+    null} (the weights come from its broadcaster, here over gloo) -> resume; a refused broadcast changes nothing
+    and keeps the group in step for the next one."""
+    port = free_port()
+    trainer = multiprocessing.get_context("spawn").Process(target=_prime_rl_broadcaster,
+                                                           args=(port, ["new", "bad", "old"]))
+    trainer.start()
+    try:
+        with httpx.Client(base_url=disk_server.url, timeout=120) as http:
+            resp = http.post("/init_broadcaster", json={"host": "127.0.0.1", "port": port, "rank_offset": 0,
+                                                        "inference_world_size": 1, "timeout": 60,
+                                                        "quantize_in_weight_transfer": False})
+            assert resp.status_code == 200 and resp.json() == {"status": "ok"}, resp.text
+            for which in ("new", "bad", "old"):
+                assert http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+                try:
+                    resp = http.post("/update_weights", json={"weight_dir": None})
+                finally:
+                    assert http.post("/resume").status_code == 200
+                if which == "bad":
+                    _error(resp, 400, "no weight was changed")
+                    _assert_serves(http, reference["new"])
+                else:
+                    assert resp.status_code == 200 and resp.json() == {"status": "ok"}, resp.text
+                    _assert_serves(http, reference[which])
+            _error(http.post("/init_broadcaster", json={"host": "127.0.0.1", "port": 1, "inference_world_size": 1,
+                                                        "quantize_in_weight_transfer": True}), 400,
+                   "quantize_in_weight_transfer")
+            _error(http.post("/init_broadcaster", json={"host": "127.0.0.1", "port": 1, "inference_world_size": 1,
+                                                        "colour": "red"}), 400, "colour")
+    finally:
+        trainer.join(60)
+        if trainer.is_alive():
+            trainer.kill()
+    assert trainer.exitcode == 0
 
 
 def test_skyrl_remote_client_sequence(disk_server: RemoteServer, checkpoints: dict[str, Path],

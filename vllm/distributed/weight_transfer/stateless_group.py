@@ -33,6 +33,19 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def c10d_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
+               timeout: datetime.timedelta, name: str) -> dist.ProcessGroup:
+    """A c10d backend built directly on `store` (never registered with torch.distributed): NCCL for a CUDA
+    device, gloo for the CPU."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()  # as torch.distributed's own NCCL groups are built
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        options.group_name = name
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
 class WeightTransferGroup:
     """What `NCCLWeightTransferEngine.trainer_init` returns; `broadcast(tensor, src=0, stream=None)` has the
     signature of vLLM's PyNcclCommunicator, so trainer code that broadcasts on it directly keeps working."""
@@ -53,15 +66,8 @@ class WeightTransferGroup:
         self._store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
                                     timeout=timeout, wait_for_workers=False)
         self._check_peers()
-        store = dist.PrefixStore(f"{_KEY}/pg", self._store)
-        if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()  # as torch.distributed's own NCCL groups are built
-            options.is_high_priority_stream = False
-            options._timeout = timeout
-            options.group_name = _KEY
-            self._pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        else:
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self._pg = c10d_group(dist.PrefixStore(f"{_KEY}/pg", self._store), rank, world_size, self.device,
+                              timeout, _KEY)
         hello = torch.tensor([world_size], dtype=torch.int64, device=self.device)
         self.broadcast(hello, src=0)
         if hello.item() != world_size:

@@ -12,9 +12,10 @@ weights from any folder the server can read, and run worker methods by name, so 
 - Weight updates (vLLM's four steps): POST /init_weight_transfer_engine {"init_info"}, /start_weight_update
   {"is_checkpoint_format"?}, /update_weights {"update_info"}, /finish_weight_update {"weight_version"?} ->
   {"message": ...}; GET /get_world_size, GET /weight_info, POST /update_weight_version {"new_version"}.
-- prime-rl's dialect on the same paths: POST /update_weights {"weight_dir": dir} (a whole update from that
-  folder) -> {"status": "ok"}; GET /liveness (503 once the engine core died); POST /init_broadcaster is refused by name (400): prime-rl's own
-  NCCL broadcast protocol is not implemented, its filesystem broadcast (weight_dir) is.
+- prime-rl's dialect on the same paths: POST /init_broadcaster {"host", "port", "rank_offset",
+  "inference_world_size", "timeout"} (join its NCCL broadcaster) -> {"status": "ok"}; POST /update_weights
+  {"weight_dir": dir} (a whole update from that folder) or {"weight_dir": null} (from the broadcaster) ->
+  {"status": "ok"}; GET /liveness (503 once the engine core died).
 - POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]} (504 after
   timeout).
 - Sleep mode is not supported yet: /sleep and /wake_up answer 400 saying so; GET /is_sleeping -> false.
@@ -147,12 +148,15 @@ def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
         if "update_info" in body:
             await engine.update_weights(body["update_info"])
             return JSONResponse({"message": "Weights updated"})
-        if "weight_dir" in body:  # prime-rl's dialect: a whole update from a folder
+        if "weight_dir" in body:  # prime-rl's dialect: a whole update from a folder, or from its broadcaster
             weight_dir = body["weight_dir"]
-            if not isinstance(weight_dir, str) or not weight_dir:
-                raise ValueError("weight_dir must be the path of a folder of safetensors: prime-rl's NCCL "
-                                 "broadcast (weight_dir null) is not supported; use its filesystem broadcast.")
-            await engine.load_weights_from_disk(weight_dir, body.get("weight_version"))
+            if weight_dir is None:
+                await engine.load_weights_from_broadcast(body.get("weight_version"))
+            elif isinstance(weight_dir, str) and weight_dir:
+                await engine.load_weights_from_disk(weight_dir, body.get("weight_version"))
+            else:
+                raise ValueError("weight_dir must be the path of a folder of safetensors, or null to receive "
+                                 "the weights from the broadcaster of /init_broadcaster.")
             return JSONResponse({"status": "ok"})
         raise ValueError("Missing 'update_info' in the request body (or prime-rl's 'weight_dir').")
 
@@ -177,10 +181,21 @@ def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
         return JSONResponse({"world_size": engine.vllm_config.parallel_config.tensor_parallel_size})
 
     @router.post("/init_broadcaster")
-    async def init_broadcaster() -> JSONResponse:
-        raise ValueError("init_broadcaster (prime-rl's NCCL weight broadcast) is not supported: use prime-rl's "
-                         "filesystem weight broadcast (POST /update_weights {\"weight_dir\": ...}) or vLLM's "
-                         "/init_weight_transfer_engine with --weight-transfer-config.")
+    async def init_broadcaster(raw: Request) -> JSONResponse:
+        body = await _body(raw)
+        unknown = sorted(set(body) - _BROADCASTER_KEYS)
+        if unknown:
+            raise ValueError(f"Unknown /init_broadcaster key(s) {unknown}; the known ones are "
+                             f"{sorted(_BROADCASTER_KEYS)}.")
+        if body.get("quantize_in_weight_transfer"):
+            raise ValueError("quantize_in_weight_transfer is not supported: the broadcast must carry "
+                             "checkpoint-format weights.")
+        if body.get("engine_world_size") not in (None, 1):
+            raise ValueError(f"engine_world_size={body['engine_world_size']!r}: this server has one worker.")
+        await engine.init_broadcaster(_required(body, "host"), _required(body, "port"),
+                                      body.get("rank_offset", 0), _required(body, "inference_world_size"),
+                                      body.get("timeout", 1200))
+        return JSONResponse({"status": "ok"})
 
     @router.get("/liveness")
     async def liveness() -> JSONResponse:
@@ -203,6 +218,11 @@ def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
         return JSONResponse({"is_sleeping": await engine.is_sleeping()})
 
     app.include_router(router)
+
+
+# prime-rl's /init_broadcaster body, over its versions (session_id and gpus_per_server have no effect here).
+_BROADCASTER_KEYS = frozenset({"host", "port", "rank_offset", "inference_world_size", "timeout",
+                               "quantize_in_weight_transfer", "engine_world_size", "session_id", "gpus_per_server"})
 
 
 def _timeout(message: str) -> JSONResponse:

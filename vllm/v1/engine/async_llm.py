@@ -306,6 +306,15 @@ class AsyncLLM:
     async def weight_info(self) -> dict[str, Any]:
         return await self._call("weight_info")
 
+    async def init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
+                               timeout: float) -> None:
+        """Join prime-rl's NCCL weight broadcast (its /init_broadcaster)."""
+        await self._call("init_broadcaster", host, port, rank_offset, inference_world_size, timeout)
+
+    async def load_weights_from_broadcast(self, weight_version: str | None = None) -> None:
+        """A whole update received from prime-rl's broadcaster (its /update_weights {"weight_dir": null})."""
+        await self._call("load_weights_from_broadcast", weight_version)
+
     async def load_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """A whole update from a folder of safetensors (prime-rl's /update_weights {"weight_dir"}), whatever the
         configured backend, in one engine-core call (EngineCore.load_weights_from_disk)."""

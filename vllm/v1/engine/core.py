@@ -167,7 +167,8 @@ class EngineCore:
 
     UTILITY_METHODS = frozenset({
         "pause_generation", "resume_generation", "is_paused", "abort_all_requests", "generation_halted",
-        "collective_rpc", "init_weight_transfer_engine", "load_weights_from_disk",
+        "collective_rpc", "init_weight_transfer_engine", "load_weights_from_disk", "init_broadcaster",
+        "load_weights_from_broadcast",
         "start_weight_update", "update_weights", "finish_weight_update", "get_weight_version",
         "update_weight_version", "weight_info", "reset_prefix_cache"})
 
@@ -285,6 +286,23 @@ class EngineCore:
         self.start_weight_update(True)
         try:
             self.worker.load_weights_from_disk(path)
+        except BaseException:
+            self.finish_weight_update(None)
+            raise
+        self.finish_weight_update(weight_version)
+
+    def init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
+                         timeout: float) -> None:
+        """Join prime-rl's NCCL weight broadcast as its rank rank_offset + 1 (blocks until the trainer is there)."""
+        self.worker.init_broadcaster(host, port, rank_offset, inference_world_size, timeout)
+
+    def load_weights_from_broadcast(self, weight_version: str | None = None) -> None:
+        """A whole update from prime-rl's broadcaster (its /update_weights {"weight_dir": null}): start, receive,
+        finish; a failed one names no new version."""
+        _check_version(weight_version, "weight_version")
+        self.start_weight_update(True)
+        try:
+            self.worker.receive_broadcast_weights()
         except BaseException:
             self.finish_weight_update(None)
             raise

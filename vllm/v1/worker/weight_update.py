@@ -4,7 +4,8 @@ vLLM's four steps, run by the worker between engine steps (EngineCore halts sche
 flight first): `init_transfer_engine(init_info)` (once per transfer group), `start(is_checkpoint_format)`,
 `update(update_info)` (any number of times) and `finish()`. The transport is a WeightTransferEngine of the
 configured backend (vllm/distributed/weight_transfer: nccl, ipc, disk); `load_from_disk(path)` is a disk update
-whatever the backend (prime-rl's `/update_weights {"weight_dir"}`).
+whatever the backend (prime-rl's `/update_weights {"weight_dir"}`), `receive_broadcast()` one from prime-rl's
+NCCL broadcaster (`init_broadcaster` first).
 
 Invariants:
 - An update is checked whole before any byte moves: every name must route to a parameter (checkpoint names,
@@ -42,6 +43,7 @@ class WeightUpdater:
         self.rank = rank
         self.transfer_engine: Any = None
         self.is_checkpoint_format = True
+        self.broadcaster: Any = None
 
     def _make_engine(self, backend: str | None = None) -> Any:
         from vllm.config.weight_transfer import WeightTransferConfig
@@ -90,6 +92,23 @@ class WeightUpdater:
         finally:
             self.is_checkpoint_format = previous
             engine.shutdown()
+
+    def init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
+                         timeout: float) -> None:
+        """Join prime-rl's NCCL weight broadcast (vllm/distributed/weight_transfer/broadcast_receiver.py)."""
+        from vllm.distributed.weight_transfer.broadcast_receiver import BroadcastReceiver
+        self.broadcaster = BroadcastReceiver(host, port, rank_offset, inference_world_size, timeout, self.device,
+                                             self.rank)
+
+    def receive_broadcast(self) -> None:
+        """One whole checkpoint-format update from prime-rl's broadcast, checked state dict by state dict."""
+        if getattr(self, "broadcaster", None) is None:
+            raise ValueError("No weight broadcast to receive from: call /init_broadcaster first (or send "
+                             "{\"weight_dir\": \"/folder\"} to load a folder).")
+        with torch.no_grad():
+            self.broadcaster.receive(self.model.load_weights, self.check)  # type: ignore[union-attr]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def finish(self) -> None:
         if self.device.type == "cuda":

@@ -136,6 +136,13 @@ class Worker:
     def load_weights_from_disk(self, path: str) -> None:
         self.weight_updater.load_from_disk(path)
 
+    def init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
+                         timeout: float) -> None:
+        self.weight_updater.init_broadcaster(host, port, rank_offset, inference_world_size, timeout)
+
+    def receive_broadcast_weights(self) -> None:
+        self.weight_updater.receive_broadcast()
+
     def weight_info(self) -> dict[str, dict[str, Any]]:
         return self.weight_updater.weight_info()
 
@@ -145,7 +152,7 @@ class Worker:
 ENGINE_ONLY_METHODS = frozenset({
     "determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up_model", "execute_model",
     "execute_model_async", "call", "init_weight_transfer_engine", "start_weight_update", "update_weights",
-    "finish_weight_update", "load_weights_from_disk"})
+    "finish_weight_update", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
 # What Worker.__init__ sets: an extension attribute of these names would be shadowed.
 _INSTANCE_ATTRIBUTES = frozenset({"vllm_config", "model_config", "parallel_config", "rank", "local_rank", "device",
                                   "model_runner", "weight_updater"})
