@@ -13,7 +13,7 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
-from vllm.utils import refuse_lora_request, refuse_sleep_mode
+from vllm.utils import refuse_lora_request
 from vllm.v1.engine.llm_engine import LLMEngine
 
 ChatMessage = dict[str, Any]
@@ -123,13 +123,14 @@ class LLM:
         return self.llm_engine.get_weight_version()
 
     def sleep(self, level: int = 1) -> None:
-        refuse_sleep_mode()
+        """Sleep mode is not supported yet (ValueError, see LLMEngine.sleep)."""
+        self.llm_engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        refuse_sleep_mode()
+        self.llm_engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        return False
+        return self.llm_engine.is_sleeping()
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -167,10 +167,9 @@ class EngineCore:
 
     UTILITY_METHODS = frozenset({
         "pause_generation", "resume_generation", "is_paused", "abort_all_requests", "generation_halted",
-        "collective_rpc", "init_weight_transfer_engine", "load_weights_from_disk", "init_broadcaster",
-        "load_weights_from_broadcast",
-        "start_weight_update", "update_weights", "finish_weight_update", "get_weight_version",
-        "update_weight_version", "weight_info", "reset_prefix_cache"})
+        "collective_rpc", "reset_prefix_cache", "init_weight_transfer_engine", "start_weight_update",
+        "update_weights", "finish_weight_update", "get_weight_version", "update_weight_version", "weight_info",
+        "load_weights_from_disk", "init_broadcaster", "load_weights_from_broadcast"})
 
     def _drain(self) -> None:
         """Finish every step in flight now (no new one is launched); their outputs go to `pending_outputs`."""
