@@ -14,7 +14,7 @@ from vllm.entrypoints.openai.serving_engine import SSEStream
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import OutputStream
-from vllm.v1.engine.output_processor import RequestOutputCollector
+from vllm.v1.engine.output_collector import RequestOutputCollector
 
 # uvicorn's HTTP protocols declare ASGI spec 2.3: Starlette then watches receive() for the disconnect.
 SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "path": "/v1/x",

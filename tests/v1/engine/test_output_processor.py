@@ -277,7 +277,7 @@ def test_collector_merges_streamed_deltas(tok: Tokenizer) -> None:
     the step-by-step outputs concatenated (the reference), and the last step's finish state."""
     import asyncio
 
-    from vllm.v1.engine.output_processor import RequestOutputCollector
+    from vllm.v1.engine.output_collector import RequestOutputCollector
 
     token_ids = tok.encode("The quick brown fox")
     positions = make_positions(token_ids, tok.vocab_size, 1, seed=11)
@@ -311,7 +311,7 @@ def test_collector_cumulative_supersedes_and_error_comes_last() -> None:
     import asyncio
 
     from vllm.outputs import CompletionOutput
-    from vllm.v1.engine.output_processor import RequestOutputCollector
+    from vllm.v1.engine.output_collector import RequestOutputCollector
 
     def output(tokens: list[int], finished: bool) -> RequestOutput:
         return RequestOutput("c", None, [1], None, [CompletionOutput(0, "", tokens, None, None)], finished)
@@ -340,7 +340,7 @@ def test_collector_wakes_its_one_waiter_on_close_and_after_a_cancel() -> None:
     waiting while one waits is refused."""
     import asyncio
 
-    from vllm.v1.engine.output_processor import RequestOutputCollector
+    from vllm.v1.engine.output_collector import RequestOutputCollector
 
     async def scenario() -> None:
         collector = RequestOutputCollector(RequestOutputKind.DELTA)
@@ -468,7 +468,7 @@ def test_collector_builds_pending_steps_when_taken(tok: Tokenizer) -> None:
     gone) drops them too. Nothing is kept in the request's state once handed out."""
     import asyncio
 
-    from vllm.v1.engine.output_processor import RequestOutputCollector
+    from vllm.v1.engine.output_collector import RequestOutputCollector
     from vllm.v1.outputs import SamplingMaskText
 
     token_ids = tok.encode("The quick brown fox jumps")

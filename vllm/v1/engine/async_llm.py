@@ -31,7 +31,8 @@ from vllm.utils import refuse_sleep_mode, refuse_stat_loggers, unwrap_info
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import AsyncMPClient, EngineCoreHandle, EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
-from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+from vllm.v1.engine.output_collector import RequestOutputCollector
+from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import RequestStatsTracker
 

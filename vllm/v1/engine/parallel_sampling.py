@@ -26,7 +26,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 
 if TYPE_CHECKING:
-    from vllm.v1.engine.output_processor import OutputQueue
+    from vllm.v1.engine.output_collector import OutputQueue
 
 
 def child_request_id(index: int, parent_request_id: str) -> str:
