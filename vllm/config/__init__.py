@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,8 +13,10 @@ from vllm.config.cache import CacheConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
+from vllm.config.weight_transfer import WeightTransferConfig
 
-__all__ = ["CacheConfig", "DeviceConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "VllmConfig"]
+__all__ = ["CacheConfig", "DeviceConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "VllmConfig",
+           "WeightTransferConfig", "get_current_vllm_config", "set_current_vllm_config"]
 
 
 @dataclass
@@ -68,3 +72,24 @@ class VllmConfig:
     @property
     def dtype(self) -> torch.dtype:
         return self.model_config.resolve_dtype(self.device_config.torch_device)
+
+
+_current_vllm_config: VllmConfig | None = None
+
+
+@contextlib.contextmanager
+def set_current_vllm_config(vllm_config: VllmConfig, check_compile: bool = False, prefix: str | None = None
+                            ) -> Iterator[None]:
+    """vLLM's context in which model code sees `vllm_config` (get_current_vllm_config); RL worker extensions wrap
+    their own weight loading in it. check_compile and prefix have no effect (no torch.compile here)."""
+    global _current_vllm_config
+    previous, _current_vllm_config = _current_vllm_config, vllm_config
+    try:
+        yield
+    finally:
+        _current_vllm_config = previous
+
+
+def get_current_vllm_config() -> VllmConfig:
+    """The config of the innermost set_current_vllm_config, else a default VllmConfig (as vLLM)."""
+    return _current_vllm_config if _current_vllm_config is not None else VllmConfig()

@@ -39,3 +39,21 @@ class ProbeExtension:
 class ClashingExtension:
     def update_weights(self, update_info: Any) -> None:  # the worker has one
         pass
+
+
+class FrameworkStyleExtension:
+    """Loads weights the way verl's, OpenRLHF's and NeMo-RL's extensions do, through the vLLM names they import."""
+
+    def fw_load_checkpoint(self, folder: str) -> str:
+        from safetensors.torch import load_file
+
+        from vllm.config import get_current_vllm_config, set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.platforms import current_platform
+        worker: Any = self
+        weights = load_file(f"{folder}/model.safetensors")
+        with set_current_vllm_config(worker.vllm_config):
+            assert get_current_vllm_config() is worker.vllm_config
+            worker.model_runner.model.load_weights(weights=list(weights.items()))
+        process_weights_after_loading(worker.model_runner.model, worker.model_config, worker.device)
+        return current_platform.device_type

@@ -197,3 +197,15 @@ class _FakeEngine:
 
     def receive_weights(self, info: Any) -> Any:
         return ((n, self.tensors[n]) for n in info.names)
+
+
+def test_framework_style_extension_loads_through_vllm_names(tmp_path: Path, expected: dict[str, Any]) -> None:
+    """An extension importing vllm.config.set_current_vllm_config, vllm.model_executor.model_loader.utils.
+    process_weights_after_loading and vllm.platforms.current_platform loads a checkpoint by collective_rpc, between
+    two generate calls, and the engine then generates what a fresh engine on that checkpoint does."""
+    from vllm.v1.worker.gpu_worker import Worker
+    llm = LLM(**ENGINE, worker_extension_cls="rl_worker_ext.FrameworkStyleExtension")
+    assert isinstance(llm.llm_engine.engine_core.engine_core.worker, Worker)
+    folder = write_checkpoint(tmp_path / "single", perturbed_weights())
+    assert llm.collective_rpc("fw_load_checkpoint", args=(str(folder),)) == ["cpu"]
+    assert _outputs(llm) == expected["new"]
