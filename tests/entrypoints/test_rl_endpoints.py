@@ -17,11 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-from conftest import MODEL, REPO_ROOT, RemoteServer, free_port, start_server, stop_server
+from tests.entrypoints.conftest import MODEL, REPO_ROOT, RemoteServer, free_port, start_server, stop_server
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "v1", "e2e"))
-from rl_checkpoints import perturbed_weights, write_checkpoint  # noqa: E402
+from rl_checkpoints import perturbed_weights, prime_rl_broadcaster, write_checkpoint  # noqa: E402
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
@@ -113,32 +112,12 @@ def test_prime_rl_orchestrator_update_sequence(disk_server: RemoteServer, checkp
         assert http.post("/update_weights", json={"weight_dir": str(checkpoints["old"])}).status_code == 200
 
 
-def _prime_rl_broadcaster(port: int, rounds: list[str]) -> None:
-    """prime-rl's trainer side: rank 0 of a StatelessProcessGroup + PyNcclCommunicator (gloo on CPU), one update
-    per round, one state dict per layer (and one for the rest), as its broadcaster sends them."""
-    from rl_checkpoints import bundled_weights, perturbed_weights
-
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
-    from vllm.distributed.weight_transfer.broadcast_receiver import send_state_dicts
-    group = StatelessProcessGroup.create("127.0.0.1", port, rank=0, world_size=2, store_timeout=60)
-    communicator = PyNcclCommunicator(group, device="cpu")
-    for which in rounds:
-        weights = perturbed_weights() if which == "new" else bundled_weights()
-        if which == "bad":
-            weights = {"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
-        layers: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights.items():
-            layers.setdefault(name.split(".")[2] if ".layers." in name else "rest", {})[name] = tensor
-        send_state_dicts(communicator, list(layers.values()))
-
-
 def test_prime_rl_nccl_broadcaster_sequence(disk_server: RemoteServer, reference: dict[str, dict[str, Any]]) -> None:
     """prime-rl's NCCL path: /init_broadcaster once, then per step pause keep -> /update_weights {"weight_dir":
     null} (the weights come from its broadcaster, here over gloo) -> resume; a refused broadcast changes nothing
     and keeps the group in step for the next one."""
     port = free_port()
-    trainer = multiprocessing.get_context("spawn").Process(target=_prime_rl_broadcaster,
+    trainer = multiprocessing.get_context("spawn").Process(target=prime_rl_broadcaster,
                                                            args=(port, ["new", "bad", "old"]))
     trainer.start()
     try:

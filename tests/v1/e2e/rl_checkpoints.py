@@ -1,5 +1,6 @@
 """Second checkpoints of the bundled model for the weight-update tests: the same config and tokenizer, other
-weights (a fixed perturbation), written as one safetensors file or as shards with an index."""
+weights (a fixed perturbation), written as one safetensors file or as shards with an index; and trainer-side
+senders that tests run in a spawned process (here, so that the child imports no test module)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def write_checkpoint(folder: Path, weights: dict[str, torch.Tensor], shards: int
         weight_map.update({n: file_name for n in part})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
+
+
+def prime_rl_broadcaster(port: int, rounds: list[str]) -> None:
+    """prime-rl's trainer side: rank 0 of a StatelessProcessGroup + PyNcclCommunicator (gloo on CPU), one update
+    per round, one state dict per layer (and one for the rest), as its broadcaster sends them."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    from vllm.distributed.weight_transfer.broadcast_receiver import send_state_dicts
+    group = StatelessProcessGroup.create("127.0.0.1", port, rank=0, world_size=2, store_timeout=60)
+    communicator = PyNcclCommunicator(group, device="cpu")
+    for which in rounds:
+        weights = perturbed_weights() if which == "new" else bundled_weights()
+        if which == "bad":
+            weights = {"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
+        layers: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights.items():
+            layers.setdefault(name.split(".")[2] if ".layers." in name else "rest", {})[name] = tensor
+        send_state_dicts(communicator, list(layers.values()))
