@@ -3,6 +3,10 @@
 # offline throughput, serving A/B. Results land in $OUT (the device tool's output folder) or ./out; with
 # PACK=1 they are packed into $OUT/all.tgz instead (the device tool returns only a few files, and no deep folders).
 #   device run: PACK=1 bash tools/gpu_run.sh [stages...]    (carry .whl: the server stack's wheels)
+# Stage `cuda_tests` is the whole test suite with the GPU present (every CUDA test on the device, the rest as on a
+# CPU machine): the summary in $OUT/cuda_suite.txt, the full log with each failure in $OUT/cuda_suite_full.txt.
+#   device run: bash tools/gpu_run.sh cuda_tests    (carry .whl)
+# Stage `tests` runs only the GPU kernels' and the worker's tests, or TEST_PATHS.
 # Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians), `acceptance_rounds` the same with
 # three rounds of no mask and mask and one of the pre-change arm; stage `diagnose` the next
 # experiments on the mask arm's step (host or device, launch-ahead, deferred mask lists), `ahead_offline` the
@@ -37,6 +41,8 @@ for s in $stages; do
       # NOTE: the host's single-thread Python speed: the A/B's mask arm depends on it (docs/benchmarks.md, eighth
       # session: hosts ~25% apart); best of five runs of a fixed loop.
       python3 -c "import timeit; print('python loop ms (best of 5):', round(1e3 * min(timeit.repeat('sum(i * i for i in range(1000000))', number=1, repeat=5)), 1))" ;;
+    cuda_tests) python3 -m pytest -p no:cacheprovider -rfE --durations=15 tests 2>&1 \
+        | tee "$OUT/cuda_suite_full.txt" | tail -40 | tee "$OUT/cuda_suite.txt" ;;
     tests) python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/v1/attention tests/v1/sample tests/models tests/v1/worker} 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
     async) python3 tools/gpu_async_check.py 2>&1 | grep -v Warning | tee "$OUT/async_check.txt" ;;
     graphs) python3 -m pytest -q -p no:cacheprovider tests/v1/worker/test_cudagraph.py 2>&1 | tail -3 | tee "$OUT/graph_tests.txt" ;;

@@ -20,9 +20,13 @@ _STR_TO_DTYPE = {
 }
 
 
+DEFAULT_MODEL_NAME = "tiny-llama"
+"""The served name of the bundled model (its folder's name), whichever checkout or install it runs from."""
+
+
 def default_model_path() -> str:
     """The bundled tiny model: the default whenever no model is named."""
-    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", DEFAULT_MODEL_NAME)
 
 
 def load_hf_config(model: str) -> SimpleNamespace:
@@ -42,7 +46,8 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer folder; the model folder when not given."""
     served_model_name: str | None = None
-    """Model name reported by the API; the model path when not given."""
+    """Model name reported by the API (and required in requests' `model`); when not given, the model as given
+    (vLLM's rule), or tiny-llama for the bundled model."""
     dtype: str | torch.dtype = "auto"
     """Weights and activations dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, float16, bfloat16. Once
     the engine's config is built (VllmConfig), the torch dtype it resolved to, as in vLLM."""
@@ -79,6 +84,9 @@ class ModelConfig:
     hf_config: SimpleNamespace = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.served_model_name is None:
+            # NOTE: the name the user gave, not the folder it resolves to (no absolute path of this checkout).
+            self.served_model_name = DEFAULT_MODEL_NAME if self.model is None else self.model
         if self.model is None:
             self.model = default_model_path()
         self.model = os.path.expanduser(self.model)
@@ -118,6 +126,20 @@ class ModelConfig:
     @property
     def name(self) -> str:
         return self.served_model_name or str(self.model)
+
+    @property
+    def sampling_mask_mode(self) -> str:
+        """off; ids (--return-sampling-mask); ids+text (and each mask as JSON text, formatted on the device: the
+        API server's mode)."""
+        if not self.return_sampling_mask:
+            return "off"
+        return "ids+text" if self.sampling_mask_text else "ids"
+
+    def describe(self, device: torch.device, dtype: torch.dtype) -> str:
+        """One line for the start-up log: what runs, where, in which dtype, with which outputs."""
+        return (f"model {self.name} ({', '.join(self.architectures)} from {self.model}) on {device}, dtype "
+                f"{str(dtype).removeprefix('torch.')}, sampling mask {self.sampling_mask_mode}, logprobs mode "
+                f"{self.logprobs_mode}")
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):

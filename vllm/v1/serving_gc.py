@@ -2,7 +2,8 @@
 
 Role: `freeze_startup_heap()` runs once a process has built everything that lives as long as it does (imports,
 model, CUDA graphs, app): a full collection, `gc.freeze()` (those objects move to a permanent generation that no
-later collection walks), then SERVING_GC_THRESHOLDS.
+later collection walks), then SERVING_GC_THRESHOLDS. At exit they are unfrozen again (an atexit hook), so the
+interpreter's final collections free them as they free everything else.
 
 Why: serving allocates thousands of short-lived objects per engine step (outputs, lists, chunks, frames), nearly
 all freed by reference counting. With Python's default thresholds (700, 10, 10) the collector ran a young
@@ -15,6 +16,7 @@ of the time at 1024 streams before they took these thresholds, and the engine co
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 # Young collections 10x rarer than Python's default (700), full ones after 20 older ones instead of 10 (and, as
@@ -26,3 +28,8 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*SERVING_GC_THRESHOLDS)
+    # NOTE: frozen objects are never collected, not even at exit: the triton objects among them (nanobind
+    # instances of libtriton) outlived triton's own teardown, and nanobind printed ~30 lines of "nanobind: leaked
+    # ..." on every exit of a server or engine-core process. Unfrozen, they are freed in order.
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)

@@ -1,7 +1,9 @@
-"""The `vllm` command: `vllm serve [MODEL] [flags]` starts the OpenAI-compatible server.
+"""The `vllm` command: `vllm serve [MODEL] [flags]` starts the OpenAI-compatible server; `vllm --version`.
 
-Engine flags come from AsyncEngineArgs.add_cli_args (vLLM's names); server flags from the API server. A bad flag
-value (a config ValueError, e.g. --tensor-parallel-size 2) exits with status 2 and the message.
+Engine flags come from AsyncEngineArgs.add_cli_args (vLLM's names); server flags from the API server; `--help`
+shows each flag's default. `python -m vllm.entrypoints.openai.api_server [MODEL] [flags]` (vLLM's older entry
+point, `api_server_main`) takes the same flags and serves the same way. A bad flag value (a config ValueError,
+e.g. --tensor-parallel-size 2) exits with status 2 and the message.
 """
 
 from __future__ import annotations
@@ -11,17 +13,31 @@ import asyncio
 import logging
 import sys
 
+import vllm
 from vllm.engine.arg_utils import AsyncEngineArgs
+
+_SERVE_DESCRIPTION = "Start the OpenAI-compatible HTTP server."
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `vllm serve`: the API server's, then the engine's."""
+    from vllm.entrypoints.openai.api_server import add_frontend_args
+    add_frontend_args(parser)
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm", description="vLLM-compatible LLM serving engine.")
+    parser.add_argument("-v", "--version", action="version", version=vllm.__version__)
     subparsers = parser.add_subparsers(dest="subcommand", required=True)
-    serve = subparsers.add_parser("serve", help="Start the OpenAI-compatible HTTP server.",
-                                  description="Start the OpenAI-compatible HTTP server.")
-    from vllm.entrypoints.openai.api_server import add_frontend_args
-    add_frontend_args(serve)
-    AsyncEngineArgs.add_cli_args(serve)
+    serve_parser = subparsers.add_parser("serve", help=_SERVE_DESCRIPTION, description=_SERVE_DESCRIPTION,
+                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(serve_parser)
     return parser
 
 
@@ -44,11 +60,21 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    _configure_logging()
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.subcommand == "serve":
         sys.exit(serve(args, parser))
+
+
+def api_server_main(argv: list[str] | None = None) -> None:
+    """`python -m vllm.entrypoints.openai.api_server [MODEL] [flags]`: `vllm serve` under vLLM's older name."""
+    _configure_logging()
+    parser = argparse.ArgumentParser(prog="python -m vllm.entrypoints.openai.api_server",
+                                     description=_SERVE_DESCRIPTION,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(parser)
+    sys.exit(serve(parser.parse_args(argv), parser))
 
 
 if __name__ == "__main__":

@@ -431,3 +431,9 @@ def run_api_servers(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    # NOTE: vLLM's older entry point; the same flags and server as `vllm serve` (vllm/entrypoints/cli/main.py).
+    from vllm.entrypoints.cli.main import api_server_main
+    api_server_main()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,8 @@ from torch import nn
 from vllm.config.model import ModelConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 DUMMY_WEIGHT_RANGE = 1e-3
 
@@ -76,6 +79,7 @@ def initialize_dummy_weights(model: nn.Module, seed: int, low: float = -DUMMY_WE
 @torch.no_grad()
 def get_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     model_cls = get_model_class(model_config.architectures)
+    logger.info("Loading %s", model_config.describe(device, dtype))
     with set_default_torch_dtype(dtype), torch.device(device):
         model = model_cls(model_config.hf_config)
     if model_config.load_format == "dummy":
