@@ -32,7 +32,8 @@ def tok():
     "{{ '%5d|%-4s'|format(3, 'ab') }}{{ 'a' ~ 'b' }}{{ [1, 2] * 2 }}{{ 2 ** 10 }}{{ 'x' * 3 }}{{ 'ab' + 'cd' }}",
     "{{ '{:>6}'.format('r') }}{{ 'a,b'.split(',')|join('-') }}{{ 'abc'|replace('b', 'BB') }}{{ 'x'|center(5) }}",
     "{% set ns = namespace(s='') %}{% for m in messages %}{% set ns.s = ns.s + m.content %}{% endfor %}{{ ns.s }}",
-    "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% else %}{{ s|length }}{% endif %}{% endmacro %}{{ f('a', 10) }}",
+    "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% else %}{{ s|length }}{% endif %}{% endmacro %}"
+    "{{ f('a', 10) }}",
     "{{ messages|tojson }}{{ bos_token }}{% if add_generation_prompt %}<a>{% endif %}",
 ])
 def test_bounded_templates_render_as_jinja_does(tok, template: str) -> None:

@@ -108,13 +108,13 @@ async def _wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
+async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any], drain: ServerDrain | None = None) -> Any:
     """Await `handler`; if the client goes away first, cancel it, which aborts its requests in the engine (their
     output streams abort when cancelled or closed) and frees their KV blocks. Streams return at once; a dropped
     stream is handled by the streaming response itself (_SSEResponse)."""
     task = asyncio.ensure_future(handler)
-    drain: ServerDrain = raw.app.state.drain
-    drain.track(task)
+    if drain is not None:  # the handler ends with a 503 if it still runs when the shutdown grace is over
+        drain.track(task)
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -132,7 +132,7 @@ async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
             await task
         logger.info("Client disconnected before the response; its request was aborted.")
         return None
-    if task.cancelled() and drain.aborted:  # the shutdown grace is over (graceful_shutdown.py)
+    if task.cancelled() and drain is not None and drain.aborted:  # the shutdown grace is over (graceful_shutdown.py)
         raise ServerShuttingDownError("The server shut down before the request finished (--shutdown-timeout).")
     return task.result()
 
@@ -275,15 +275,18 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
 
     @app.post("/v1/completions", responses=route_responses(CompletionResponse))
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return _respond(await _cancel_on_disconnect(raw_request, app.state.completion.create_completion(request)))
+        handler = app.state.completion.create_completion(request)
+        return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
     @app.post("/v1/chat/completions", responses=route_responses(ChatCompletionResponse))
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return _respond(await _cancel_on_disconnect(raw_request, app.state.chat.create_chat_completion(request)))
+        handler = app.state.chat.create_chat_completion(request)
+        return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
     @app.post("/inference/v1/generate", responses=route_responses(GenerateResponse))
     async def generate(request: GenerateRequest, raw_request: Request) -> Response:
-        return _respond(await _cancel_on_disconnect(raw_request, app.state.generate.generate(request)))
+        handler = app.state.generate.generate(request)
+        return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
     app.openapi = lambda: documented_openapi(app)  # type: ignore[method-assign]
     return app

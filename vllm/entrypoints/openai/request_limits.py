@@ -63,7 +63,11 @@ class RequestGuard:
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None:
-            if not length.isdigit() or int(length) > self.max_body_bytes:
+            if not length.isdigit():
+                await self.error("The Content-Length header is not a number of bytes.", 400,
+                                 "BadRequestError")(scope, receive, send)
+                return
+            if int(length) > self.max_body_bytes:
                 await self._too_large(length.decode("latin-1")[:32])(scope, receive, send)
                 return
             await self.app(scope, receive, send)
