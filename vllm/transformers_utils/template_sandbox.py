@@ -220,9 +220,9 @@ def render_bounded(source: str, variables: dict[str, Any], max_steps: int | None
                    max_chars: int | None = None, dispose: bool = False) -> str:
     """Compile `source` (with `compile`, which may cache) and render it with its values and output bounded to
     max_chars (default MAX_TEMPLATE_CHARS); with max_steps, the compilation's and the rendering's work too
-    (module docstring). Raises
-    jinja2 TemplateError (TemplateBoundError for a bound), or compile's errors. `dispose`: the template is used
-    once; its module namespace is emptied after the render (it holds a cycle through the template's functions)."""
+    (module docstring). Raises jinja2 TemplateError (TemplateBoundError for a bound), or compile's errors.
+    `dispose`: the template is used once; its module namespace is emptied after the render (it holds a cycle
+    through the template's functions)."""
     budget = None
     if max_steps is not None:
         deadline = time.monotonic() + timeout_s if timeout_s is not None else None
