@@ -9,11 +9,17 @@ Invariants:
   only when the config asks for them and `tokenizer.json`'s post-processor does not already add them.
 - `decode` delegates to `tokenizers` (no `clean_up_tokenization_spaces`), so that decoding a sequence piecewise
   (see `vllm.v1.engine.detokenizer`) gives the same text as decoding it whole.
-- Chat templates render in a sandboxed Jinja environment; a template can only read the variables passed to it.
+- Chat templates render in a sandboxed Jinja environment (template_sandbox.py): a template can only read the
+  variables passed to it and builds no value or output over MAX_TEMPLATE_CHARS; `max_steps` also bounds its work
+  (the server passes it for templates a request sent).
+- `max_token_chars` bounds the characters one token can stand for, so a text of more than
+  `max_model_len * max_token_chars` characters is longer than the context without tokenizing it (None when the
+  tokenizer drops input characters, e.g. whitespace-splitting BERT-style ones: no such bound then).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -21,8 +27,9 @@ from functools import cached_property
 from typing import Any
 
 import jinja2
-import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
+
+from vllm.transformers_utils.template_sandbox import BoundedSandbox, render_bounded
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -161,6 +168,17 @@ class Tokenizer:
         return self.vocab_size
 
     @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of input text one token can stand for (module docstring), or None."""
+        # NOTE: a vocabulary entry is at least as long as the text it decodes to (byte-level entries spell one
+        # character per byte, "<0x0A>" six for one); added tokens match their content.
+        longest = max((len(t) for t in self.get_vocab()), default=1)
+        probe = " \t\n\r\x00\u200b\u3000\xa0" * 8
+        if len(self.encode(probe, add_special_tokens=False)) * longest < len(probe):
+            return None
+        return max(longest, 1)
+
+    @cached_property
     def all_special_ids(self) -> list[int]:
         """Ids of the configured special tokens and of every added token flagged special, ascending."""
         ids = {i for i, tok in self._tokenizer.get_added_tokens_decoder().items() if tok.special}
@@ -194,13 +212,20 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False,
                             add_generation_prompt: bool = True, chat_template: str | None = None,
+                            max_steps: int | None = None, timeout_s: float | None = None,
+                            max_chars: int | None = None, cache_template: bool = True,
                             **kwargs: Any) -> str | list[int]:
-        """Render `messages` with the chat template; token ids (no extra BOS) when `tokenize`."""
+        """Render `messages` with the chat template; token ids (no extra BOS) when `tokenize`. With `max_steps`,
+        compiling and rendering stop after that many Python line events or `timeout_s` (untrusted templates);
+        `max_chars` bounds the values and output it builds (default MAX_TEMPLATE_CHARS); `cache_template=False`
+        compiles the template for this call only (one a request sent)."""
         template = self._select_template(chat_template, kwargs.get("tools"))
+        variables = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                     **self.special_tokens, **kwargs}
         try:
-            rendered = _compile_template(template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **kwargs})
+            rendered = render_bounded(template, variables, max_steps, timeout_s,
+                                      functools.partial(_compile_template, cache=cache_template), max_chars,
+                                      dispose=not cache_template)
         except jinja2.exceptions.TemplateError as e:
             # NOTE: templates raise_exception() on malformed conversations (user input), hence ValueError.
             raise ValueError(f"The chat template rejected the messages: {e}") from e
@@ -211,21 +236,36 @@ class Tokenizer:
 
 
 _TEMPLATE_CACHE: dict[str, jinja2.Template] = {}
+_TEMPLATE_CACHE_SIZE = 16
+_ENV: BoundedSandbox | None = None
 
 
-def _compile_template(source: str) -> jinja2.Template:
-    template = _TEMPLATE_CACHE.get(source)
-    if template is None:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
+def _environment() -> BoundedSandbox:
+    # NOTE: one environment for every template: a new one per template would be cyclic garbage each time.
+    global _ENV
+    if _ENV is None:
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.add_filter("tojson", _tojson)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
+        _ENV = env
+    return _ENV
+
+
+def _compile_template(source: str, cache: bool = True) -> jinja2.Template:
+    """The compiled template, from the cache of the last few when `cache` (the server's and offline callers'
+    templates); a request's template is compiled for its render only (a cache of them would keep each one's
+    compilation memory)."""
+    template = _TEMPLATE_CACHE.get(source) if cache else None
+    if template is None:
         try:
-            template = env.from_string(source)
+            template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"The chat template is not valid Jinja: {e}") from e
-        _TEMPLATE_CACHE[source] = template
+        if cache:
+            if len(_TEMPLATE_CACHE) >= _TEMPLATE_CACHE_SIZE:
+                del _TEMPLATE_CACHE[next(iter(_TEMPLATE_CACHE))]
+            _TEMPLATE_CACHE[source] = template
     return template
 
 

@@ -9,6 +9,13 @@ engine or any unexpected error 500 (still an OpenAI body).
 
 Invariants:
 - A request is fully validated before it reaches the engine core, so a bad request never disturbs the others.
+- Bounds come before work (request_limits.py): a body over --max-request-body-bytes is a 413 before it is read, a
+  text longer in characters than the context can hold is a 400 before it is tokenized, and long texts and chat
+  templates are processed in a thread pool under a time bound, never on the event loop.
+- SIGTERM / SIGINT: no new requests, running ones get --shutdown-timeout seconds, then an OpenAI error (an error
+  event and [DONE] when streamed), never a plain-text 500 (graceful_shutdown.py).
+- The OpenAPI schema documents what the server does: 400 (never 422) with the OpenAI error body, the fields a
+  request must send, and the bounds the server enforces (protocol.py).
 - A client that disconnects before its response (streaming or not) has its requests aborted in the engine.
 - When the engine-core process dies, /health fails, in-flight requests get an error, the server shuts down and
   `run_server` returns 1 (the process exits non-zero).
@@ -52,10 +59,16 @@ from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
 from vllm.profiling import maybe_cprofile
 from vllm.entrypoints.openai.admin import attach_admin_router
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from vllm.entrypoints.openai.graceful_shutdown import (DEFAULT_SHUTDOWN_TIMEOUT_S, FLUSH_S, GracefulServer,
+                                                       ServerDrain)
+from vllm.entrypoints.openai.openapi import documented_openapi, route_responses
+from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                              CompletionResponse, GenerateRequest, GenerateResponse)
+from vllm.entrypoints.openai.request_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, PreprocessPool, RequestGuard
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import NotFoundError, SSEStream, encode_body, error_body
+from vllm.entrypoints.openai.serving_engine import (NotFoundError, ServerShuttingDownError, SSEStream, encode_body,
+                                                    error_body)
 from vllm.entrypoints.openai.serving_generate import OpenAIServingGenerate
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.config import VllmConfig
@@ -95,11 +108,13 @@ async def _wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
+async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any], drain: ServerDrain | None = None) -> Any:
     """Await `handler`; if the client goes away first, cancel it, which aborts its requests in the engine (their
     output streams abort when cancelled or closed) and frees their KV blocks. Streams return at once; a dropped
     stream is handled by the streaming response itself (_SSEResponse)."""
     task = asyncio.ensure_future(handler)
+    if drain is not None:  # the handler ends with a 503 if it still runs when the shutdown grace is over
+        drain.track(task)
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -117,6 +132,8 @@ async def _cancel_on_disconnect(raw: Request, handler: Awaitable[Any]) -> Any:
             await task
         logger.info("Client disconnected before the response; its request was aborted.")
         return None
+    if task.cancelled() and drain is not None and drain.aborted:  # the shutdown grace is over (graceful_shutdown.py)
+        raise ServerShuttingDownError("The server shut down before the request finished (--shutdown-timeout).")
     return task.result()
 
 
@@ -174,20 +191,27 @@ def _respond(result: Any) -> Response:
     return JSONResponse(result.model_dump())
 
 
-def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints: bool = False) -> FastAPI:
+def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints: bool = False, *,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """The app; the admin endpoints of RL training loops (admin.py) only with enable_rl_endpoints or
     VLLM_SERVER_DEV_MODE=1."""
     app = FastAPI(title="vllm", version=vllm.__version__)
     mc = engine.model_config
     names = [mc.served_model_name or str(mc.model)]
     app.state.engine = engine
+    app.state.drain = ServerDrain()
+    app.state.preprocess = preprocess = PreprocessPool()
     app.state.models = OpenAIServingModels(names, str(mc.model), int(mc.max_model_len or 0))
-    app.state.completion = OpenAIServingCompletion(engine, names)
-    app.state.chat = OpenAIServingChat(engine, names)
-    app.state.generate = OpenAIServingGenerate(engine, names)
+    app.state.completion = OpenAIServingCompletion(engine, names, preprocess)
+    app.state.chat = OpenAIServingChat(engine, names, preprocess, trust_request_chat_template)
+    app.state.generate = OpenAIServingGenerate(engine, names, preprocess)
 
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    # NOTE: added last, so outermost: sizes and draining are checked before anything else runs.
+    app.add_middleware(RequestGuard, max_body_bytes=max_request_body_bytes,
+                       draining=lambda: app.state.drain.draining, error=_error)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -206,9 +230,21 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
     async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(f"The engine died: {exc}", 500, "InternalServerError")
 
+    @app.exception_handler(ServerShuttingDownError)
+    async def on_shutting_down(request: Request, exc: ServerShuttingDownError) -> JSONResponse:
+        return _error(str(exc), 503, "ServiceUnavailableError")
+
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(str(exc.detail), exc.status_code, "NotFoundError" if exc.status_code == 404 else "HTTPError")
+
+    @app.exception_handler(RecursionError)
+    async def on_recursion_error(request: Request, exc: RecursionError) -> JSONResponse:
+        # NOTE: json.loads raises it for a body nested deeper than the interpreter's recursion limit (the admin
+        # endpoints parse their bodies themselves); that is the client's input, not a server fault.
+        if "JSON" in str(exc):
+            return _error("The request body is nested too deeply to parse.", 400, "BadRequestError")
+        return await on_unexpected_error(request, exc)
 
     @app.exception_handler(Exception)
     async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
@@ -237,18 +273,22 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
     async def models() -> JSONResponse:
         return JSONResponse(app.state.models.show_available_models().model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=route_responses(CompletionResponse))
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return _respond(await _cancel_on_disconnect(raw_request, app.state.completion.create_completion(request)))
+        handler = app.state.completion.create_completion(request)
+        return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=route_responses(ChatCompletionResponse))
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return _respond(await _cancel_on_disconnect(raw_request, app.state.chat.create_chat_completion(request)))
+        handler = app.state.chat.create_chat_completion(request)
+        return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
-    @app.post("/inference/v1/generate")
+    @app.post("/inference/v1/generate", responses=route_responses(GenerateResponse))
     async def generate(request: GenerateRequest, raw_request: Request) -> Response:
-        return _respond(await _cancel_on_disconnect(raw_request, app.state.generate.generate(request)))
+        handler = app.state.generate.generate(request)
+        return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
+    app.openapi = lambda: documented_openapi(app)  # type: ignore[method-assign]
     return app
 
 
@@ -267,7 +307,23 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--api-server-count", "-asc", type=int, default=1,
                         help="API server processes in front of the one engine core; more than 1 spreads the "
                              "per-token HTTP/JSON work of many concurrent streams over several CPU cores.")
+    parser.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="The largest request body accepted, in bytes; a larger one gets HTTP 413 before it is "
+                             "read.")
+    parser.add_argument("--trust-request-chat-template", action="store_true", default=False,
+                        help="Accept a `chat_template` sent in a chat request (refused by default). It still renders "
+                             "in the sandbox, with bounded work and output.")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="Seconds that running requests get to finish after SIGTERM / SIGINT; the rest then end "
+                             "with an error (HTTP 503, or an error event and [DONE] when streamed).")
     return parser
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
 
 
 async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server) -> None:
@@ -311,15 +367,19 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
     `sock`) until shutdown; returns the process exit code (1 when the engine died)."""
     engine = AsyncLLM(vllm_config or make_vllm_config(args), log_stats=not args.disable_log_stats,
                       core_handle=core_handle, log_requests=args.enable_log_requests)
+    app: FastAPI | None = None
     try:
-        app = build_app(engine, args.api_key, getattr(args, "enable_rl_endpoints", False))
+        app = build_app(engine, args.api_key, getattr(args, "enable_rl_endpoints", False),
+                        max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES),
+                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
         # NOTE: everything built so far (imports, torch among them, the app, the engine client) lives as long as
         # the process: frozen, it is left out of every later collection (each full one would walk ~200k objects,
         # ~0.1 s without serving any stream); then the serving thresholds (vllm/v1/serving_gc.py).
         freeze_startup_heap()
+        grace_s = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
-        server = uvicorn.Server(config)
+                                timeout_graceful_shutdown=int(grace_s + FLUSH_S) + 1, timeout_keep_alive=5)
+        server = GracefulServer(config, engine, app.state.drain, grace_s)
         watchdog = asyncio.create_task(_watch_engine(engine, server))
         gc_log = asyncio.create_task(_log_gc_pauses()) if envs.VLLM_ENGINE_STEP_TIMING else None
         with maybe_cprofile(f"api_server_{os.getpid()}"), _stop_signals_absorbed():
@@ -332,6 +392,8 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
         return 0 if server.started else 1
     finally:
         engine.shutdown()
+        if app is not None:
+            app.state.preprocess.shutdown()
 
 
 @contextlib.contextmanager
@@ -422,7 +484,7 @@ def run_api_servers(args: argparse.Namespace) -> int:
                 logger.error("%s (pid %d) exited with code %s; stopping the others.", proc.name, proc.pid,
                              proc.exitcode)
         # NOTE: the API servers first (graceful: they finish their responses), then the core.
-        _stop(servers, 10)
+        _stop(servers, getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S) + FLUSH_S + 5)
         _stop([core], 10)
         # NOTE: a signal to the whole process group (Ctrl-C) may end a member before this loop saw the signal.
         return 0 if stop_requested else 1

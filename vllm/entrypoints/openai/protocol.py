@@ -9,6 +9,10 @@ Types are strict where lax parsing would change a request's meaning: booleans ta
 float fields refuse booleans. Valid input parses exactly as before. Strings the engine or the wire would choke on
 (a lone surrogate) are refused here or in SamplingParams / the input processor, never after a request is added.
 
+The JSON schema (OpenAPI, openapi.py) marks what the server enforces, without changing what it accepts or its
+messages: the fields a request must send (`prompt`, `messages`, `token_ids`) as required and non-empty, and the
+bounds SamplingParams checks (`_bounds`); the checks themselves stay where they are.
+
 Choices carry `sampling_mask: list[list[int]] | None`, one ascending id list per generated token of the choice
 (of the chunk, when streaming).
 """
@@ -20,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt,
-                      ValidatorFunctionWrapHandler, WrapValidator)
+                      ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator)
 
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams, check_unicode
@@ -65,7 +69,35 @@ Float = Annotated[float, BeforeValidator(_no_bool)]
 TokenId = StrictInt
 # A string the tokenizer and the UTF-8 wire can take (no lone surrogates).
 Text = Annotated[str, AfterValidator(_valid_unicode)]
-CompletionPrompt = Annotated[str | list[str] | list[int] | list[list[int]] | None, WrapValidator(_strict_prompt)]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": INT64_MAX}
+CompletionPrompt = Annotated[
+    str | list[str] | list[int] | list[list[int]] | None, WrapValidator(_strict_prompt),
+    WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": _TOKEN_ID_SCHEMA, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": _TOKEN_ID_SCHEMA, "minItems": 1}, "minItems": 1},
+    ]})]
+_MESSAGE_SCHEMA = {"type": "object", "required": ["role"], "properties": {
+    "role": {"enum": ["system", "user", "assistant", "tool", "developer"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}}]}}}
+
+
+def _bounds(**schema: Any) -> Any:
+    """A field whose JSON schema carries these keywords (the bounds SamplingParams enforces); validation is
+    unchanged (module docstring)."""
+    return {"json_schema_extra": schema}
+
+
+def _requires(*names: str) -> Any:
+    """A model-level json_schema_extra marking fields required that have a default only so that the server can
+    refuse them missing with its own message."""
+    def extra(schema: dict[str, Any]) -> None:
+        schema["required"] = sorted(set(schema.get("required", [])) | set(names))
+    return extra
 
 
 class OpenAIBaseModel(BaseModel):
@@ -110,19 +142,19 @@ class StreamOptions(OpenAIBaseModel):
 class SamplingFields(OpenAIBaseModel):
     """OpenAI's sampling fields and vLLM's extras, shared by completions and chat."""
 
-    temperature: Float | None = None
-    top_p: Float | None = None
-    n: Int = 1
-    seed: Int | None = None
+    temperature: Float | None = Field(None, **_bounds(minimum=0, maximum=2))
+    top_p: Float | None = Field(None, **_bounds(exclusiveMinimum=0, maximum=1))
+    n: Int = Field(1, **_bounds(minimum=1))
+    seed: Int | None = Field(None, **_bounds(minimum=INT64_MIN, maximum=INT64_MAX))
     stop: str | list[str] | None = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
-    top_k: Int | None = None
-    min_p: Float | None = None
-    repetition_penalty: Float | None = None
+    presence_penalty: Float | None = Field(None, **_bounds(minimum=-2, maximum=2))
+    frequency_penalty: Float | None = Field(None, **_bounds(minimum=-2, maximum=2))
+    top_k: Int | None = Field(None, **_bounds(minimum=-1, maximum=INT64_MAX))
+    min_p: Float | None = Field(None, **_bounds(minimum=0, maximum=1))
+    repetition_penalty: Float | None = Field(None, **_bounds(exclusiveMinimum=0, maximum=2))
     ignore_eos: StrictBool = False
-    min_tokens: Int = 0
-    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Int = Field(0, **_bounds(minimum=0, maximum=INT64_MAX))
+    stop_token_ids: list[TokenId] | None = Field(None, **_bounds(items=_TOKEN_ID_SCHEMA))
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
@@ -143,10 +175,12 @@ class SamplingFields(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_requires("prompt"))
+
     model: Text | None = None
     prompt: CompletionPrompt = None
-    max_tokens: Int | None = 16
-    logprobs: Int | None = None
+    max_tokens: Int | None = Field(16, **_bounds(minimum=1, maximum=INT64_MAX))
+    logprobs: Int | None = Field(None, **_bounds(minimum=0, maximum=INT64_MAX))
     echo: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -204,11 +238,11 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     model: Text | None = None
-    messages: list[dict[str, Any]]
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
+    messages: list[dict[str, Any]] = Field(**_bounds(minItems=1, items=_MESSAGE_SCHEMA))
+    max_tokens: Int | None = Field(None, **_bounds(minimum=1, maximum=INT64_MAX))
+    max_completion_tokens: Int | None = Field(None, **_bounds(minimum=1, maximum=INT64_MAX))
     logprobs: StrictBool = False
-    top_logprobs: Int | None = None
+    top_logprobs: Int | None = Field(None, **_bounds(minimum=0, maximum=INT64_MAX))
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -290,7 +324,7 @@ class GenerateRequest(OpenAIBaseModel):
     """vLLM's token-ids-in / token-ids-out request (`/inference/v1/generate`)."""
 
     request_id: Text = Field(default_factory=random_uuid, min_length=1)
-    token_ids: list[TokenId]
+    token_ids: list[TokenId] = Field(**_bounds(minItems=1, items=_TOKEN_ID_SCHEMA))
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     model: Text | None = None
     stream: StrictBool = False

@@ -6,11 +6,15 @@ Streaming sends a first chunk with the assistant role per choice, then one chunk
 
 Every string of the messages and of `chat_template_kwargs` must be valid Unicode (checked before the template
 runs), and `max_tokens` / `max_completion_tokens` must fit the context the rendered prompt leaves (vLLM's 400),
-both checked before the request is added.
+both checked before the request is added. A request's own `chat_template` is refused unless the server runs with
+--trust-request-chat-template; it then renders in the preprocess pool under the sandbox's step budget
+(template_sandbox.py), as does the server's template for a large conversation or any chat_template_kwargs; the
+rendered prompt is checked in characters against the context before it is tokenized (request_limits.py).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -20,13 +24,23 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComplet
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
                                               random_uuid)
+from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, prompt_char_limit
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
                                                     weight_spans, with_mask_texts)
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import check_unicode
-from vllm.v1.engine.async_llm import OutputStream
+from vllm.transformers_utils.template_sandbox import MAX_TEMPLATE_STEPS
+from vllm.v1.engine.async_llm import AsyncLLM, OutputStream
 from vllm.v1.engine.input_processor import check_max_tokens
+
+
+# Arguments of Tokenizer.apply_chat_template that a request's chat_template_kwargs must not replace.
+_RESERVED_TEMPLATE_KWARGS = frozenset(("messages", "tokenize", "add_generation_prompt", "chat_template", "max_steps",
+                                       "timeout_s", "max_chars", "cache_template"))
+# The longest chat_template a request may send (model templates are a few KiB; compiling one takes memory and
+# time in proportion to its size, outside the step budget).
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
 
 
 def check_strings(value: Any, parameter: str) -> None:
@@ -76,28 +90,64 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prompt_token_ids(self, request: ChatCompletionRequest) -> list[int]:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], preprocess: PreprocessPool | None = None,
+                 trust_request_chat_template: bool = False) -> None:
+        super().__init__(engine, served_model_names, preprocess)
+        self.trust_request_chat_template = trust_request_chat_template
+
+    async def _prompt_token_ids(self, request: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
             raise VLLMValidationError("Chat needs a tokenizer, but the server runs with --skip-tokenizer-init.",
                                       parameter="messages")
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise VLLMValidationError("Chat templates sent in requests are refused: this server renders its own "
+                                      "(start it with --trust-request-chat-template to accept them).",
+                                      parameter="chat_template")
+        if request.chat_template is not None and len(request.chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise VLLMValidationError(f"chat_template has {len(request.chat_template)} characters, more than the "
+                                      f"{MAX_REQUEST_TEMPLATE_CHARS} a request's template may have.",
+                                      parameter="chat_template")
         messages = normalize_messages(request.messages)
         check_strings(request.chat_template_kwargs, "chat_template_kwargs")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(request.chat_template_kwargs or {}))
+        if reserved:
+            raise VLLMValidationError(f"chat_template_kwargs cannot set {reserved[0]!r}; it has a field of its own "
+                                      "or is the server's.", parameter=f"chat_template_kwargs.{reserved[0]}")
+        # NOTE: no value the template builds may be longer than the prompt the context can hold (what is longer
+        # is refused after rendering anyway); that also bounds the memory a template can take.
+        max_chars = prompt_char_limit(self.max_model_len, self.tokenizer.max_token_chars)
+        render = functools.partial(
+            self.tokenizer.apply_chat_template, messages, tokenize=False,
+            add_generation_prompt=request.add_generation_prompt, chat_template=request.chat_template,
+            max_chars=max_chars, cache_template=request.chat_template is None,
+            **(request.chat_template_kwargs or {}))
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=request.add_generation_prompt,
-                chat_template=request.chat_template, **(request.chat_template_kwargs or {}))
-        except ValueError:
+            if request.chat_template is not None:
+                # NOTE: a request's template runs in the pool under a step budget (template_sandbox.py).
+                rendered = await self.preprocess.run(
+                    "Rendering the chat template", "chat_template", render, max_steps=MAX_TEMPLATE_STEPS,
+                    timeout_s=self.preprocess.timeout_s)
+            elif request.chat_template_kwargs or sum(len(m["content"]) for m in messages) > INLINE_CHARS:
+                rendered = await self.preprocess.run("Rendering the chat template", "messages", render)
+            else:
+                rendered = render()
+        except VLLMValidationError:
             raise
+        except ValueError as e:  # the template refused the messages, or is not valid Jinja, or broke a bound
+            raise VLLMValidationError(str(e), parameter="chat_template" if request.chat_template is not None
+                                      else "messages") from e
         except Exception as e:
-            raise VLLMValidationError(f"The chat template failed on these messages: {e}",
+            raise VLLMValidationError(f"The chat template failed on these messages: {type(e).__name__}: {e}",
                                       parameter="messages") from e
-        return list(ids)
+        assert isinstance(rendered, str)
+        # NOTE: the template writes the BOS itself when the model wants one.
+        return await self.encode(rendered, False, "messages")
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | dict | SSEStream:
         model = self.model_name(request.model)
         params = request.to_sampling_params()
-        prompt_ids = self._prompt_token_ids(request)
+        prompt_ids = await self._prompt_token_ids(request)
         check_max_tokens(params.max_tokens, len(prompt_ids), self.max_model_len)
         request_id = f"chatcmpl-{random_uuid()}"
         queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)

@@ -1,8 +1,9 @@
 """POST /v1/completions: one engine request per prompt, JSON or SSE, with logprobs and sampling masks.
 
 Every prompt is validated and added before anything streams (a bad one is a 400 and aborts the others): `n` times
-the number of prompts is at most VLLM_MAX_N_SEQUENCES, and text prompts are tokenized here, so that `max_tokens`
-is checked against the context each prompt leaves (vLLM's 400) before any request is added; each
+the number of prompts is at most VLLM_MAX_N_SEQUENCES, and text prompts are tokenized here (long ones off the event
+loop, after a check of their characters against the context), so that `max_tokens` is checked against the context
+each prompt leaves (vLLM's 400) before any request is added; each
 streamed chunk carries the token ids' masks of that chunk, so the chunks of a choice concatenate to one mask per
 generated token. With `n` samples per prompt, prompt i's sample j is choice `i * n + j` (vLLM's numbering), and
 usage counts each prompt once and every choice's completion tokens.
@@ -96,7 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(prompts) * params.n > max_n:
             raise VLLMValidationError(f"n x the number of prompts must be at most {max_n} (VLLM_MAX_N_SEQUENCES), "
                                       f"got {params.n} x {len(prompts)}.", parameter="n", value=params.n)
-        prompts = [self._tokenized(p, params.max_tokens) for p in prompts]
+        prompts = [await self._tokenized(p, params.max_tokens) for p in prompts]
         base_id = f"cmpl-{random_uuid()}"
         request_ids: list[str] = []
         gens: list[OutputStream] = []
@@ -111,15 +112,16 @@ class OpenAIServingCompletion(OpenAIServing):
             raise
         return base_id, request_ids, gens
 
-    def _tokenized(self, prompt: PromptType, max_tokens: int | None) -> PromptType:
+    async def _tokenized(self, prompt: PromptType, max_tokens: int | None) -> PromptType:
         """A text prompt as token ids with its text (as the input processor would tokenize it), checked against
         `max_tokens`; token-id prompts are checked as they are. Without a tokenizer the prompt is passed on (the
-        input processor refuses text then)."""
+        input processor refuses text then). A text too long in characters is refused untokenized, a long one is
+        tokenized off the event loop (OpenAIServing.encode)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return prompt
             check_unicode(prompt, "prompt")
-            prompt = {"prompt_token_ids": self.tokenizer.encode(prompt, add_special_tokens=True), "prompt": prompt}
+            prompt = {"prompt_token_ids": await self.encode(prompt, True, "prompt"), "prompt": prompt}
         assert isinstance(prompt, dict)
         check_max_tokens(max_tokens, len(prompt["prompt_token_ids"]), self.max_model_len)
         return prompt

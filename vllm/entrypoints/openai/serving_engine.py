@@ -2,8 +2,9 @@
 
 Errors are raised as exceptions and turned into OpenAI-style bodies by the server's exception handlers:
 ValueError -> 400 (a VLLMValidationError's `parameter` becomes the body's `param`), `NotFoundError` -> 404,
-EngineDeadError -> 500. Bounds that need the prompt's length (`check_max_tokens`) are checked by the handlers
-before a request is added.
+EngineDeadError -> 500, ServerShuttingDownError -> 503. Bounds that need the prompt's length (`check_max_tokens`)
+are checked by the handlers before a request is added; texts are checked against the context in characters before
+they are tokenized, and long ones are tokenized in the preprocess pool (request_limits.py), off the event loop.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from vllm.outputs import CompletionOutput, Logprob
 from vllm.transformers_utils.tokenizer import Tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM, OutputStream
 from vllm.v1.engine.core_client import EngineDeadError
+from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, check_prompt_chars
 from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                               ChatCompletionLogProbsContent, ErrorInfo,
                                               ErrorResponse)
@@ -26,6 +28,10 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatComplet
 
 class NotFoundError(Exception):
     """The request names a model this server does not serve (HTTP 404)."""
+
+
+class ServerShuttingDownError(Exception):
+    """The server stopped while the request ran, after the shutdown grace (HTTP 503, or an error event)."""
 
 
 def error_body(message: str, status_code: int, err_type: str, param: str | None = None) -> dict:
@@ -94,11 +100,23 @@ def encode_body(body: dict) -> bytes:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 preprocess: PreprocessPool | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = int(engine.model_config.max_model_len or 0)
+        self.preprocess = preprocess if preprocess is not None else PreprocessPool()
+
+    async def encode(self, text: str, add_special_tokens: bool, parameter: str) -> list[int]:
+        """`text` as token ids, refused first if its characters cannot fit the context; a long text is tokenized
+        in the preprocess pool (request_limits.py)."""
+        assert self.tokenizer is not None
+        check_prompt_chars(len(text), self.max_model_len, self.tokenizer.max_token_chars, parameter)
+        if len(text) <= INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self.preprocess.run("Tokenizing the prompt", parameter, self.tokenizer.encode, text,
+                                         add_special_tokens=add_special_tokens)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested == "":
@@ -193,6 +211,9 @@ async def stream_errors(gen: AsyncGenerator[bytes, None]) -> AsyncGenerator[byte
             yield SSE_DONE
         except EngineDeadError as e:
             yield sse(error_body(f"The engine died: {e}", 500, "InternalServerError"))
+            yield SSE_DONE
+        except ServerShuttingDownError as e:
+            yield sse(error_body(str(e), 503, "ServiceUnavailableError"))
             yield SSE_DONE
 
 
