@@ -39,6 +39,8 @@ from vllm.v1.metrics.stats import RequestStatsTracker
 logger = logging.getLogger(__name__)
 # NOTE: most queued engine steps processed in one go before the event loop serves the streams again.
 _MAX_STEPS_PER_WAKE = 64
+# NOTE: child requests of an n > 1 request sent between two turns of the event loop.
+_CHILDREN_PER_YIELD = 256
 
 
 class _Aborter(Protocol):
@@ -200,8 +202,12 @@ class AsyncLLM:
                 self.request_stats.add_request(core_request.request_id, len(request.prompt_token_ids))
         self._ensure_output_handler()
         try:
-            for core_request in core_requests:
+            for i, core_request in enumerate(core_requests, 1):
                 await self.engine_core.add_request_async(core_request)
+                if i % _CHILDREN_PER_YIELD == 0:
+                    # NOTE: a send that completes at once does not yield: a large n would hold the event loop
+                    # (every other stream, /health) for the whole fan-out.
+                    await asyncio.sleep(0)
         except BaseException:
             # NOTE: with n > 1 some children may already be in the core; aborting unknown ids there is a no-op.
             self._abort_now([request_id])
