@@ -280,11 +280,16 @@ class EngineCore:
 
     def load_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """A whole update from a folder of safetensors, whatever the backend (prime-rl's /update_weights
-        {"weight_dir"}): start, load (checked whole first), finish; a failed load names no new version."""
+        {"weight_dir"}): start, load (checked whole first), finish."""
+        self._whole_update(lambda: self.worker.load_weights_from_disk(path), weight_version)
+
+    def _whole_update(self, load: Callable[[], None], weight_version: str | None) -> None:
+        """start_weight_update, `load`, finish_weight_update(weight_version) as one call; a failed load names no
+        new version (and lifts the halt)."""
         _check_version(weight_version, "weight_version")
         self.start_weight_update(True)
         try:
-            self.worker.load_weights_from_disk(path)
+            load()
         except BaseException:
             self.finish_weight_update(None)
             raise
@@ -296,16 +301,8 @@ class EngineCore:
         self.worker.init_broadcaster(host, port, rank_offset, inference_world_size, timeout)
 
     def load_weights_from_broadcast(self, weight_version: str | None = None) -> None:
-        """A whole update from prime-rl's broadcaster (its /update_weights {"weight_dir": null}): start, receive,
-        finish; a failed one names no new version."""
-        _check_version(weight_version, "weight_version")
-        self.start_weight_update(True)
-        try:
-            self.worker.receive_broadcast_weights()
-        except BaseException:
-            self.finish_weight_update(None)
-            raise
-        self.finish_weight_update(weight_version)
+        """A whole update from prime-rl's broadcaster (its /update_weights {"weight_dir": null})."""
+        self._whole_update(self.worker.receive_broadcast_weights, weight_version)
 
     def get_weight_version(self) -> str | None:
         return self.weight_version
