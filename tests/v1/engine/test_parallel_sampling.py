@@ -79,7 +79,7 @@ def test_delta_aggregates_children_with_new_tokens() -> None:
 
 def test_final_only_waits_for_all_children_and_sorts() -> None:
     proc = OutputProcessor(None, log_stats=False)
-    proc.add_request(core_request("f", n=2, output_kind=RequestOutputKind.FINAL_ONLY), None)
+    list(proc.add_request(core_request("f", n=2, output_kind=RequestOutputKind.FINAL_ONLY), None))
     assert proc.process_outputs([EngineCoreOutput("1_f", [3], finish_reason=FinishReason.LENGTH),
                                  EngineCoreOutput("0_f", [4])]).request_outputs == []
     outs = proc.process_outputs([EngineCoreOutput("0_f", [5], finish_reason=FinishReason.STOP)]).request_outputs
@@ -90,7 +90,7 @@ def test_final_only_waits_for_all_children_and_sorts() -> None:
 def test_cumulative_and_abort_through_queue() -> None:
     proc = OutputProcessor(None, log_stats=False)
     queue = ListQueue()
-    proc.add_request(core_request("c", n=2, output_kind=RequestOutputKind.CUMULATIVE), None, queue)
+    list(proc.add_request(core_request("c", n=2, output_kind=RequestOutputKind.CUMULATIVE), None, queue))
     proc.process_outputs([EngineCoreOutput("0_c", [1]), EngineCoreOutput("1_c", [2])])
     proc.process_outputs([EngineCoreOutput("1_c", [3], finish_reason=FinishReason.LENGTH)])
     assert [[(c.index, c.token_ids) for c in o.outputs] for o in queue.items] == [[(0, [1]), (1, [2])],
@@ -99,9 +99,37 @@ def test_cumulative_and_abort_through_queue() -> None:
     last = queue.items[-1]
     assert last.finished and [(c.index, c.token_ids, c.finish_reason) for c in last.outputs] == [(0, [1], "abort")]
     assert not proc.request_states and not proc.parent_requests
-    proc.add_request(core_request("d", n=2), None)
+    list(proc.add_request(core_request("d", n=2), None))
     with pytest.raises(ValueError, match="already running"):
         proc.add_request(core_request("d", n=2), None)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA])
+def test_children_registered_as_sent_and_abort_mid_fan_out(kind: RequestOutputKind) -> None:
+    # AsyncLLM yields to the event loop between slices of a large fan-out: a child exists only once it is made,
+    # and an abort in between ends the parent with the children made so far (the rest never ran).
+    proc = OutputProcessor(None, log_stats=False)
+    queue = ListQueue()
+    children = proc.add_request(core_request("m", n=5, seed=7, output_kind=kind), None, queue)
+    first = [next(children), next(children)]
+    assert [c.request_id for c in first] == ["0_m", "1_m"] and set(proc.request_states) == {"0_m", "1_m"}
+    assert [c.sampling_params.seed for c in first] == [7, 8] and {c.sampling_params.n for c in first} == {1}
+    proc.process_outputs([EngineCoreOutput("1_m", [4])])
+    assert sorted(proc.abort_requests(["m"])) == ["0_m", "1_m"]
+    assert list(children) == []  # nothing more is made after the abort
+    assert not proc.request_states and not proc.parent_requests
+    last = queue.items[-1]
+    assert last.finished and {c.finish_reason for c in last.outputs} == {"abort"}
+    assert sorted(c.index for c in last.outputs) == [0, 1]
+
+
+def test_aborted_before_any_child_is_made_still_finishes() -> None:
+    proc = OutputProcessor(None, log_stats=False)
+    queue = ListQueue()
+    children = proc.add_request(core_request("z", n=3, output_kind=RequestOutputKind.DELTA), None, queue)
+    assert proc.abort_requests(["z"]) == []
+    assert list(children) == [] and not proc.parent_requests
+    assert queue.items[-1].finished and queue.items[-1].outputs == []
 
 
 # ---------------------------------------------------------------- end to end with the bundled model

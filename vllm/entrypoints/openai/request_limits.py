@@ -125,7 +125,10 @@ class PreprocessPool:
     """A few threads for tokenizing and chat templating large inputs, with a time bound (module docstring)."""
 
     def __init__(self, max_workers: int | None = None, timeout_s: float = PREPROCESS_TIMEOUT_S) -> None:
-        self.max_workers = max_workers or max(1, min(4, os.cpu_count() or 1))
+        # NOTE: one core fewer than the machine has (at most 4): the pool's threads run the tokenizer's native code
+        # without the GIL, so as many of them as cores starve the event loop of CPU (on 2 cores, /health under
+        # three clients sending 180k-character prompts: p50 90 ms with 2 threads; tools/health_under_attack.py).
+        self.max_workers = max_workers or max(1, min(4, (os.cpu_count() or 2) - 1))
         self.timeout_s = timeout_s
         self._executor: ThreadPoolExecutor | None = None
 

@@ -197,16 +197,16 @@ class AsyncLLM:
                         params)
         queue = RequestOutputCollector(params.output_kind)
         core_requests = self.output_processor.add_request(request, prompt_text, queue)
-        if self.log_stats:
-            for core_request in core_requests:
-                self.request_stats.add_request(core_request.request_id, len(request.prompt_token_ids))
         self._ensure_output_handler()
         try:
             for i, core_request in enumerate(core_requests, 1):
+                if self.log_stats:
+                    self.request_stats.add_request(core_request.request_id, len(request.prompt_token_ids))
                 await self.engine_core.add_request_async(core_request)
                 if i % _CHILDREN_PER_YIELD == 0:
                     # NOTE: a send that completes at once does not yield: a large n would hold the event loop
-                    # (every other stream, /health) for the whole fan-out.
+                    # (every other stream, /health) for the whole fan-out; the children are made as they are
+                    # sent (OutputProcessor.add_request), so each slice of the fan-out is short.
                     await asyncio.sleep(0)
         except BaseException:
             # NOTE: with n > 1 some children may already be in the core; aborting unknown ids there is a no-op.

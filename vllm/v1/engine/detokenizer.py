@@ -89,17 +89,22 @@ class IncrementalDetokenizer:
         return self.output_text[start:end]
 
     @classmethod
-    def from_new_request(cls, tokenizer: Tokenizer | None, request: _RequestLike) -> IncrementalDetokenizer:
+    def from_new_request(cls, tokenizer: Tokenizer | None, request: _RequestLike,
+                         like: IncrementalDetokenizer | None = None) -> IncrementalDetokenizer:
+        """like: a detokenizer made for the same prompt and settings (a sibling of an n > 1 request), whose
+        checked start of the window is reused instead of decoding the prompt's tail again."""
         params = request.sampling_params
         if tokenizer is None or not params.detokenize:
             return cls()
-        return SlowIncrementalDetokenizer(tokenizer, request)
+        prompt_window = like.prompt_window if isinstance(like, SlowIncrementalDetokenizer) else None
+        return SlowIncrementalDetokenizer(tokenizer, request, prompt_window)
 
 
 class SlowIncrementalDetokenizer(IncrementalDetokenizer):
     """Window decoding with a tokenizer, stop strings and the streaming hold-back."""
 
-    def __init__(self, tokenizer: Tokenizer, request: _RequestLike) -> None:
+    def __init__(self, tokenizer: Tokenizer, request: _RequestLike,
+                 prompt_window: tuple[int, ...] | None = None) -> None:
         super().__init__()
         params = request.sampling_params
         self.tokenizer = tokenizer
@@ -108,15 +113,18 @@ class SlowIncrementalDetokenizer(IncrementalDetokenizer):
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.stop_buffer_length = params.output_text_buffer_length
-        prompt_tail = list(request.prompt_token_ids[-_INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:])
+        if prompt_window is None:
+            prompt_tail = list(request.prompt_token_ids[-_INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:])
+            if self.tokenizer.decode(prompt_tail, skip_special_tokens=self.skip_special_tokens).endswith("\ufffd"):
+                # NOTE: a prompt ending in half a character would merge with the first output bytes; start clean.
+                prompt_tail = []
+            prompt_window = tuple(prompt_tail)
+        # The checked start of the window (shared with siblings: see from_new_request).
+        self.prompt_window = prompt_window
         # Prompt tail followed by the output ids: the ids the decoding window slides over.
-        self._window_ids: list[int] = prompt_tail
+        self._window_ids: list[int] = list(prompt_window)
         self.prefix_offset = 0
-        self.read_offset = len(prompt_tail)
-        if self._decode_window(0, len(prompt_tail)).endswith("\ufffd"):
-            # NOTE: a prompt ending in half a character would merge with the first output bytes; start clean.
-            self._window_ids = []
-            self.read_offset = 0
+        self.read_offset = len(prompt_window)
 
     def _decode_window(self, start: int, end: int) -> str:
         return self.tokenizer.decode(self._window_ids[start:end], skip_special_tokens=self.skip_special_tokens)

@@ -61,7 +61,7 @@ class RequestState:
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, tokenizer: Tokenizer | None,
                  queue: OutputQueue | None, log_stats: bool, parent: ParentRequest | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, sibling: RequestState | None = None) -> None:
         self.request_id = request.request_id
         # The n > 1 request this one is child `index` of (None for an ordinary request).
         self.parent = parent
@@ -73,7 +73,9 @@ class RequestState:
         # NOTE: the kind's tests once, not an enum lookup and comparison per step.
         self.delta = self.output_kind == RequestOutputKind.DELTA
         self.final_only = self.output_kind == RequestOutputKind.FINAL_ONLY
-        self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+        # NOTE: an n > 1 request's children share their prompt's decoding start (`sibling`: one made before).
+        self.detokenizer = IncrementalDetokenizer.from_new_request(
+            tokenizer, request, None if sibling is None else sibling.detokenizer)
         self.logprobs_processor = LogprobsProcessor.from_new_request(tokenizer, self.params)
         # Each output token's mask (DELTA: per token not handed out yet) as an ascending int32 id array and/or as
         # its JSON text (uint8, formatted by the engine for an API server); both None until the engine core sends
@@ -220,28 +222,37 @@ class OutputProcessor:
         return bool(self.request_states)
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None,
-                    queue: OutputQueue | None = None) -> list[EngineCoreRequest]:
+                    queue: OutputQueue | None = None) -> Iterator[EngineCoreRequest]:
         """Track a request; returns the engine-core requests to send: itself, or its n children when n > 1.
 
-        With n > 1 every child shares `queue`, which gets the parent's aggregated RequestOutputs.
+        With n > 1 every child shares `queue`, which gets the parent's aggregated RequestOutputs. The children are
+        made and registered as the iterator is consumed (a caller can yield between them); an abort of the parent
+        before the iterator is exhausted drops the children not made yet.
         """
         request_id = request.request_id
         if request_id in self.request_states or request_id in self.parent_requests:
             raise ValueError(f"Request id {request_id!r} is already running; request ids must be unique.")
         if request.sampling_params.n == 1:
             self.request_states[request_id] = RequestState(request, prompt, self.tokenizer, queue, self.log_stats)
-            return [request]
+            return iter((request,))
         parent = ParentRequest(request, prompt, queue)
-        children = parent.make_child_requests()
-        taken = [c.request_id for c in children if c.request_id in self.request_states]
+        taken = [c for c in parent.child_request_ids if c in self.request_states]
         if taken:
             raise ValueError(f"Request id {taken[0]!r} (a child of {request_id!r}) is already running; request ids "
                              "must be unique.")
         self.parent_requests[request_id] = parent
-        for index, child in enumerate(children):
-            self.request_states[child.request_id] = RequestState(child, prompt, self.tokenizer, queue,
-                                                                 self.log_stats, parent, index)
-        return children
+        return self._register_children(parent, prompt, queue)
+
+    def _register_children(self, parent: ParentRequest, prompt: str | None,
+                           queue: OutputQueue | None) -> Iterator[EngineCoreRequest]:
+        first: RequestState | None = None
+        for index, child in enumerate(parent.iter_child_requests()):
+            if parent.finished:
+                return  # aborted while the children were being sent
+            state = RequestState(child, prompt, self.tokenizer, queue, self.log_stats, parent, index, first)
+            first = first or state
+            self.request_states[child.request_id] = state
+            yield child
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget these requests; returns the engine-core ids that were running (to abort in the engine core).
@@ -250,14 +261,16 @@ class OutputProcessor:
         final output (finish_reason "abort") so that its consumer stops waiting.
         """
         engine_ids: list[str] = []
+        touched: dict[str, ParentRequest] = {}
         for request_id in request_ids:
             parent = self.parent_requests.get(request_id)
             if parent is not None:
                 engine_ids.extend(c for c in parent.child_request_ids if c in parent.unfinished_children)
+                if parent.drop_unregistered(self.request_states):
+                    touched[parent.request_id] = parent
             else:
                 engine_ids.append(request_id)
         aborted: list[str] = []
-        touched: dict[str, ParentRequest] = {}
         for request_id in engine_ids:
             state = self.request_states.pop(request_id, None)
             if state is None:
