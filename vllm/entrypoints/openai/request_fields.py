@@ -41,13 +41,14 @@ def _text_format(value: Any) -> bool:
     return value is None or value == {"type": "text"}
 
 
-_STRUCTURED = ("structured outputs (response_format, guided_*, structured_outputs) are not implemented: the "
-               "sampling mask would have to be the support after the grammar")
-_NOT_IMPLEMENTED = "is not implemented by this engine"
+_STRUCTURED = ("structured outputs (response_format, guided_*, structured_outputs) are not implemented (the "
+               "sampling mask would have to be the support after the grammar)")
+_MULTIMODAL = "multimodal inputs are not supported"
+_HERE = "this engine does not implement it on this endpoint"
 
-# field -> (value that asks for nothing, why it is refused otherwise)
+# field -> (value that asks for nothing, why it is refused otherwise); the error is "{field} is not supported: {why}."
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (_text_format, _STRUCTURED + "; send no response_format or {\"type\": \"text\"}"),
+    "response_format": (_text_format, _STRUCTURED + '; send no response_format or {"type": "text"}'),
     "structured_outputs": (_neutral(), _STRUCTURED),
     "guided_json": (_neutral(), _STRUCTURED),
     "guided_regex": (_neutral(), _STRUCTURED),
@@ -56,35 +57,43 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "structural_tag": (_neutral(), _STRUCTURED),
     "guided_decoding_backend": (_neutral(), _STRUCTURED),
     "guided_whitespace_pattern": (_neutral(), _STRUCTURED),
-    "use_beam_search": (_neutral(False), "beam search " + _NOT_IMPLEMENTED),
-    "length_penalty": (_neutral(1.0), "length_penalty (beam search) " + _NOT_IMPLEMENTED),
-    "best_of": (_neutral(1), "best_of is not supported (as in vLLM v1): set n and rank the samples yourself"),
-    "suffix": (_neutral(), "suffix (fill-in-the-middle) " + _NOT_IMPLEMENTED),
-    "prompt_embeds": (_neutral(), "prompt_embeds " + _NOT_IMPLEMENTED + "; send token ids or text"),
-    "logits_processors": (_neutral(), "logits_processors " + _NOT_IMPLEMENTED),
-    "truncate_prompt_tokens": (_neutral(), "truncate_prompt_tokens " + _NOT_IMPLEMENTED + "; truncate the prompt "
-                               "yourself"),
-    "truncation_side": (_neutral(), "truncation_side (truncate_prompt_tokens) " + _NOT_IMPLEMENTED),
-    "priority": (_neutral(0), "priority scheduling " + _NOT_IMPLEMENTED + " (requests are served first come, "
-                 "first served); send priority 0 or none"),
-    "kv_transfer_params": (_neutral(), "KV transfer (disaggregated serving) " + _NOT_IMPLEMENTED),
-    "ec_transfer_params": (_neutral(), "encoder-cache transfer " + _NOT_IMPLEMENTED),
-    "vllm_xargs": (_neutral(), "vllm_xargs (custom extensions) " + _NOT_IMPLEMENTED),
-    "mm_processor_kwargs": (_neutral(), "multimodal inputs are not supported"),
-    "media_io_kwargs": (_neutral(), "multimodal inputs are not supported"),
-    "features": (_neutral(), "multimodal features are not supported"),
-    "logprob_token_ids": (_neutral(), "logprob_token_ids " + _NOT_IMPLEMENTED + "; use logprobs / top_logprobs"),
-    "watermarking": (_neutral(False), "watermarking " + _NOT_IMPLEMENTED),
-    "repetition_detection": (_neutral(), "repetition_detection " + _NOT_IMPLEMENTED),
-    "thinking_token_budget": (_neutral(), "thinking_token_budget " + _NOT_IMPLEMENTED + " (no reasoning parser)"),
-    "reasoning_effort": (_neutral(), "reasoning_effort " + _NOT_IMPLEMENTED + " (no reasoning parser); pass "
-                         "template variables in chat_template_kwargs"),
-    "stream_interval": (_neutral(1), "stream_interval " + _NOT_IMPLEMENTED + " (each engine step is one chunk)"),
-    "routed_experts_prompt_start": (_neutral(0), "routed experts are not returned (no MoE routing output)"),
-    "return_token_offsets": (_neutral(False), "return_token_offsets " + _NOT_IMPLEMENTED),
-    "return_prompt_text": (_neutral(False), "return_prompt_text " + _NOT_IMPLEMENTED),
-    "return_mm_kwargs": (_neutral(True), "multimodal inputs are not supported"),
-    "mm_hashes": (_neutral(), "multimodal inputs are not supported"),
+    "use_beam_search": (_neutral(False), "this engine has no beam search"),
+    "length_penalty": (_neutral(1.0), "it is a beam-search setting and this engine has no beam search"),
+    "best_of": (_neutral(1), "as in vLLM v1, set n to the number of samples you want and rank them yourself"),
+    "suffix": (_neutral(), "this engine has no fill-in-the-middle"),
+    "prompt_embeds": (_neutral(), "prompts are text or token ids here"),
+    "logits_processors": (_neutral(), "this engine runs no custom logits processors"),
+    "truncate_prompt_tokens": (_neutral(), "prompts are not truncated here; truncate the prompt yourself"),
+    "truncation_side": (_neutral(), "prompts are not truncated here"),
+    "priority": (_neutral(0), "requests are served first come, first served (no priority scheduling); send 0 or "
+                 "nothing"),
+    "kv_transfer_params": (_neutral(), "this engine has no KV transfer (disaggregated serving)"),
+    "ec_transfer_params": (_neutral(), "this engine has no encoder-cache transfer"),
+    "vllm_xargs": (_neutral(), "this engine has no custom request extensions"),
+    "mm_processor_kwargs": (_neutral(), _MULTIMODAL),
+    "media_io_kwargs": (_neutral(), _MULTIMODAL),
+    "features": (_neutral(), _MULTIMODAL),
+    "mm_hashes": (_neutral(), _MULTIMODAL),
+    "return_mm_kwargs": (_neutral(True), _MULTIMODAL),
+    "logprob_token_ids": (_neutral(), "use logprobs / top_logprobs"),
+    "watermarking": (_neutral(False), "this engine has no watermarking"),
+    "repetition_detection": (_neutral(), "this engine has no repetition detection"),
+    "thinking_token_budget": (_neutral(), "this engine has no reasoning parser"),
+    "reasoning_effort": (_neutral(), "this engine has no reasoning parser; pass template variables in "
+                         "chat_template_kwargs"),
+    "stream_interval": (_neutral(1), "each engine step is one streamed chunk"),
+    "routed_experts_prompt_start": (_neutral(0), "this engine returns no expert routing"),
+    "return_token_offsets": (_neutral(False), "this engine returns no token offsets"),
+    "return_prompt_text": (_neutral(False), "use /tokenize or return_token_ids to see the prompt"),
+    # Fields of some vLLM requests only; where a request model here has the field, it is implemented there.
+    "echo": (_neutral(False), _HERE),
+    "add_special_tokens": (_neutral(True), _HERE),
+    "prompt_logprobs": (_neutral(), _HERE),
+    "return_tokens_as_token_ids": (_neutral(False), _HERE),
+    "cache_salt": (_neutral(), _HERE),
+    "logit_bias": (_neutral(), _HERE),
+    "bad_words": (_neutral(), _HERE),
+    "allowed_token_ids": (_neutral(), _HERE),
 }
 # vLLM fields accepted without effect whatever their value: labels that change nothing in the output.
 NO_EFFECT = frozenset(("user", "session_id", "include_reasoning"))
