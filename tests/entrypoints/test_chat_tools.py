@@ -328,3 +328,17 @@ def test_continue_final_message_and_add_special_tokens() -> None:
     both = _post(app, "/v1/chat/completions", {"messages": messages, "continue_final_message": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
     assert "Cannot set both" in both.json()["error"]["message"]
+
+
+def test_no_tool_calls_key_without_calls() -> None:
+    """vLLM leaves `tool_calls` out of a message (and a streamed delta) that has none."""
+    app = _app(StubEngine(text="plain text"))
+    body = _post(app, "/v1/chat/completions", {"messages": MESSAGES}).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "plain text"}
+
+    async def main() -> list[str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            r = await http.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True})
+            return [line for line in r.text.splitlines() if line.startswith("data: {")]
+    events = [json.loads(line[6:]) for line in asyncio.run(main())]
+    assert events and all("tool_calls" not in c["delta"] for e in events for c in e["choices"])

@@ -25,7 +25,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt,
-                      ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, model_validator)
+                      ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, model_serializer,
+                      model_validator)
 
 from vllm.entrypoints.openai.request_fields import check_request_fields
 from vllm.exceptions import VLLMValidationError
@@ -287,10 +288,21 @@ class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
     type: Literal["function"] = "function"
 
 
+def _without_tool_calls(data: dict[str, Any]) -> dict[str, Any]:
+    # NOTE: vLLM leaves `tool_calls` out of a message or delta without calls (clients test for the key).
+    if data.get("tool_calls") is None:
+        data.pop("tool_calls", None)
+    return data
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _without_tool_calls(handler(self))
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -363,6 +375,10 @@ class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _without_tool_calls(handler(self))
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
