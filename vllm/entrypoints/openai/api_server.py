@@ -202,15 +202,28 @@ def _respond(result: Any) -> Response:
     return JSONResponse(result.model_dump())
 
 
-def default_sampling_params(engine: AsyncLLM) -> dict[str, Any]:
+def default_sampling_params(model_config: Any) -> dict[str, Any]:
     """The generation config's defaults (ModelConfig.get_diff_sampling_param), checked once at start-up."""
-    defaults = engine.model_config.get_diff_sampling_param()
+    defaults = model_config.get_diff_sampling_param()
     try:
         SamplingParams(**defaults)
     except ValueError as e:
         raise ValueError(f"The model's generation config sets sampling defaults this engine refuses ({e}); start "
                          "with --generation-config vllm to ignore them.") from e
     return defaults
+
+
+def check_frontend_args(args: argparse.Namespace, model_config: Any) -> None:
+    """The server flags that can be wrong, checked before the engine starts (`vllm serve` exits with status 2 and
+    the message): the tool-call flags, --chat-template, the generation config's defaults."""
+    enable_auto_tool_choice = getattr(args, "enable_auto_tool_choice", False)
+    tool_call_parser = getattr(args, "tool_call_parser", None)
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (this engine implements: hermes).")
+    if tool_call_parser:
+        get_tool_parser(tool_call_parser)
+    load_chat_template(getattr(args, "chat_template", None))
+    default_sampling_params(model_config)
 
 
 def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints: bool = False, *,
@@ -235,7 +248,7 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
     app.state.generate = OpenAIServingGenerate(engine, names, preprocess)
     app.state.tokenization = OpenAIServingTokenization(app.state.chat)
     app.state.completion.default_sampling_params = app.state.chat.default_sampling_params = \
-        default_sampling_params(engine)
+        default_sampling_params(mc)
 
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
