@@ -342,3 +342,21 @@ def test_no_tool_calls_key_without_calls() -> None:
             return [line for line in r.text.splitlines() if line.startswith("data: {")]
     events = [json.loads(line[6:]) for line in asyncio.run(main())]
     assert events and all("tool_calls" not in c["delta"] for e in events for c in e["choices"])
+
+
+def test_assistant_tool_call_arguments_reach_the_template_as_dicts() -> None:
+    """vLLM parses an assistant message's JSON-string arguments, so that `| tojson` templates write them once."""
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.name }}="
+                "{{ c.function.arguments | tojson }};{% endfor %}{% endfor %}")
+    engine = StubEngine(text="ok")
+    app = build_app(engine, chat_template=template)
+    messages = [MESSAGES[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "noop", "arguments": ""}}]}]
+    assert _post(app, "/v1/chat/completions", {"messages": messages}).status_code == 200
+    rendered = engine.tokenizer.decode(engine.added[-1][0], skip_special_tokens=False)
+    assert rendered == 'get_weather={"city": "Oslo"};noop={};'
+    bad = [MESSAGES[0], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                              "function": {"name": "f", "arguments": "{oops"}}]}]
+    r = _post(app, "/v1/chat/completions", {"messages": bad})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"

@@ -6,11 +6,14 @@
 - `render_chat(...)`: the conversation through the chat template with vLLM's options: `add_generation_prompt`,
   `continue_final_message` (the prompt ends right after the final message's content, left open for the model
   to continue; both at once is an error, as in vLLM), `tools` (a list of tool dicts, the template's `tools`
-  variable), `documents`, and `chat_template_kwargs` (more template variables).
+  variable), `documents`, and `chat_template_kwargs` (more template variables). As in vLLM, an assistant
+  message's `tool_calls[*].function.arguments` reach the template as a dict: OpenAI clients send them as a JSON
+  string, tool-use templates (Qwen's among them) write them with `| tojson` (a copy is changed, not the caller's).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from vllm.exceptions import VLLMValidationError
@@ -51,6 +54,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_gen
     """The rendered prompt text (module docstring). `bounds`: Tokenizer.apply_chat_template's limits (max_steps,
     timeout_s, max_chars, cache_template)."""
     check_chat_options(add_generation_prompt, continue_final_message, messages)
+    messages = tool_call_arguments_as_dicts(messages)
     variables = dict(chat_template_kwargs or {})
     if tools is not None:
         variables["tools"] = tools
@@ -68,3 +72,33 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_gen
                                       parameter="continue_final_message")
         rendered = rendered[:end + len(final)]
     return rendered
+
+
+def tool_call_arguments_as_dicts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each assistant tool call's JSON-string arguments parsed (module docstring); an empty or
+    missing one becomes {}. Messages without tool calls are passed as they are."""
+    out = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if message.get("role") != "assistant" or not isinstance(calls, list):
+            out.append(message)
+            continue
+        parsed_calls = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                raise VLLMValidationError(f"messages[{i}].tool_calls[{j}] must be an object with a `function`.",
+                                          parameter=f"messages[{i}].tool_calls[{j}]")
+            arguments = function.get("arguments")
+            if not arguments:
+                arguments = {}
+            elif isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError as e:
+                    raise VLLMValidationError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: "
+                                              f"{e}", parameter=f"messages[{i}].tool_calls[{j}].function.arguments") \
+                        from None
+            parsed_calls.append({**call, "function": {**function, "arguments": arguments}})
+        out.append({**message, "tool_calls": parsed_calls})
+    return out
