@@ -22,8 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from vllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from vllm.utils import random_uuid
@@ -94,7 +93,7 @@ class HermesStreamState:
     buffer: str = ""
     in_call: bool = False
     num_calls: int = 0
-    seen_call: bool = field(default=False)
+    seen_call: bool = False
 
     @property
     def tools_called(self) -> bool:
@@ -153,10 +152,3 @@ class HermesStreamState:
                                    function=DeltaFunctionCall(name=function.name, arguments=function.arguments)))
         self.num_calls += 1
 
-
-def tool_calls_from_output(parser: Hermes2ProToolParser, text: str) -> dict[str, Any]:
-    """The assistant message's fields (content, tool_calls) for a whole response."""
-    info = parser.extract_tool_calls(text)
-    if not info.tools_called:
-        return {"content": info.content, "tool_calls": None}
-    return {"content": info.content, "tool_calls": info.tool_calls}
