@@ -122,3 +122,16 @@ def test_api_server_module_serves_like_vllm_serve() -> None:
     assert (f"model {DEFAULT_MODEL_NAME} (LlamaForCausalLM from {default_model_path()}) on cpu, dtype float32, "
             "sampling mask off, logprobs mode raw_logprobs") in started[0]
     assert "nanobind: leaked" not in stderr
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"], "this engine implements: hermes"),
+    (["--chat-template", "no/such/template.jinja"], "looks like a file path"),
+    (["--generation-config", "no/such/folder"], "is not a folder"),
+    (["--override-generation-config", '{"temperature": 9}'], "--generation-config vllm"),
+])
+def test_bad_frontend_flags_exit_2_before_the_engine_starts(flags: list[str], message: str) -> None:
+    result = _run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--device", "cpu", *flags])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr

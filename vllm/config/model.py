@@ -81,6 +81,14 @@ class ModelConfig:
     """Accepted for vLLM compatibility; no effect: only the built-in architectures (Llama, Qwen2, Qwen3) load,
     and no code from a checkpoint folder ever runs."""
 
+    generation_config: str = "auto"
+    """Where requests' default sampling values come from: auto (the model folder's generation_config.json), vllm
+    (none: vLLM's neutral defaults) or a folder holding a generation_config.json. Applies temperature, top_p,
+    top_k, min_p, repetition_penalty and max_new_tokens to requests that leave them unset."""
+    override_generation_config: dict[str, Any] | None = None
+    """A JSON object merged over the generation config (also with --generation-config vllm), e.g.
+    '{"temperature": 0.5}'."""
+
     hf_config: SimpleNamespace = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +122,11 @@ class ModelConfig:
         elif self.max_model_len > max_pos:
             raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
                              f"max_position_embeddings={max_pos}; lower max_model_len.")
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The generation config's sampling defaults under vLLM's names (vllm/config/generation_config.py)."""
+        from vllm.config.generation_config import diff_sampling_param
+        return diff_sampling_param(str(self.model), self.generation_config, self.override_generation_config)
 
     @property
     def architectures(self) -> list[str]:

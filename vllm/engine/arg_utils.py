@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any
@@ -81,6 +82,8 @@ class EngineArgs:
     WeightTransferConfig from Python."""
     enable_sleep_mode: bool = False
     """Only False: sleep mode is not supported yet (the engine keeps its GPU memory between rollouts)."""
+    generation_config: str = "auto"
+    override_generation_config: Any = None
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
@@ -118,7 +121,9 @@ class EngineArgs:
             seed=self.seed, max_model_len=self.max_model_len, skip_tokenizer_init=self.skip_tokenizer_init,
             load_format=self.load_format, logprobs_mode=self.logprobs_mode, max_logprobs=self.max_logprobs,
             return_sampling_mask=self.return_sampling_mask, enforce_eager=self.enforce_eager,
-            cudagraph_capture_sizes=self.cudagraph_capture_sizes, trust_remote_code=self.trust_remote_code)
+            cudagraph_capture_sizes=self.cudagraph_capture_sizes, trust_remote_code=self.trust_remote_code,
+            generation_config=self.generation_config,
+            override_generation_config=_json_object(self.override_generation_config, "override_generation_config"))
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -155,6 +160,19 @@ def _weight_transfer_config(value: Any) -> Any:
         return None
     from vllm.config.weight_transfer import WeightTransferConfig
     return WeightTransferConfig.parse(value)
+
+
+def _json_object(value: Any, name: str) -> dict[str, Any] | None:
+    """A dict, or its JSON text (the CLI's form), or None."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"{name} must be a JSON object, got {value!r}: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}.")
+    return parsed
 
 
 def _parse_int_list(value: str) -> list[int]:

@@ -1,4 +1,7 @@
-"""LLM: the offline entry point: `generate()` over a list of prompts, `chat()` through the chat template."""
+"""LLM: the offline entry point: `generate()` over a list of prompts, `chat()` through the chat template.
+
+Without a SamplingParams, `generate` and `chat` use `get_default_sampling_params()`: the model's generation config
+defaults (--generation-config, vllm/config/generation_config.py) over SamplingParams' own, as in vLLM."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.chat_utils import render_chat
 from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -42,6 +46,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation config defaults (none with --generation-config vllm)."""
+        if not hasattr(self, "_default_sampling_params"):
+            self._default_sampling_params = self.llm_engine.model_config.get_diff_sampling_param()
+        return SamplingParams(**self._default_sampling_params)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: Any = None,
@@ -59,7 +69,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -79,16 +89,30 @@ class LLM:
 
     def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             **chat_template_kwargs: Any) -> list[RequestOutput]:
+             lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, mm_processor_kwargs: dict[str, Any] | None = None,
+             **template_variables: Any) -> list[RequestOutput]:
+        """vLLM's signature. chat_template: the template itself (the tokenizer's when None); tools: passed to the
+        template; continue_final_message: the prompt ends inside the final message (not with
+        add_generation_prompt). Further keyword arguments are template variables, as chat_template_kwargs."""
+        refuse_lora_request(lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} is not supported: "
+                             "message contents are text (use 'auto' or 'string').")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs is not supported: multimodal inputs are not supported.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conversation in conversations:
-            token_ids = tokenizer.apply_chat_template(
-                conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, **chat_template_kwargs)
-            prompts.append({"prompt_token_ids": list(token_ids)})
+            rendered = render_chat(tokenizer, list(conversation), add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, chat_template=chat_template,
+                                   tools=tools, chat_template_kwargs={**template_variables,
+                                                                      **(chat_template_kwargs or {})})
+            # NOTE: the template writes the BOS itself when the model wants one.
+            prompts.append({"prompt_token_ids": tokenizer.encode(rendered, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:

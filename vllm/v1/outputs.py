@@ -67,8 +67,8 @@ class SamplingMaskLists(NamedTuple):
 
     # [total_support] int32, ascending within each position; None: sizes only (above).
     token_ids: np.ndarray | None
-    # [num_positions + 1] int64, or None for a single position.
-    offsets: np.ndarray | None
+    # [num_positions + 1] int64, or None for a single position (the default, as upstream's).
+    offsets: np.ndarray | None = None
     cu_num_generated_tokens: list[int] | None = None
 
     def slice_request(self, req_idx: int, num_positions: int = 1) -> SamplingMaskLists:

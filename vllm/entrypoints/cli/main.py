@@ -42,9 +42,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from vllm.entrypoints.openai.api_server import loop_factory, run_api_servers, run_server
+    from vllm.entrypoints.openai.api_server import check_frontend_args, loop_factory, run_api_servers, run_server
     try:
-        AsyncEngineArgs.from_cli_args(args).create_engine_config()
+        check_frontend_args(args, AsyncEngineArgs.from_cli_args(args).create_engine_config().model_config)
     except ValueError as e:
         parser.error(str(e))
     if args.api_server_count < 1:

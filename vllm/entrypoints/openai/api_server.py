@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an AsyncLLM.
 
 Endpoints: GET /v1/models, /health, /version, /metrics; POST /v1/completions, /v1/chat/completions,
-/inference/v1/generate; with VLLM_SERVER_DEV_MODE=1 or --enable-rl-endpoints the admin endpoints of RL training
+/inference/v1/generate, /tokenize, /detokenize; with VLLM_SERVER_DEV_MODE=1 or --enable-rl-endpoints the admin endpoints of RL training
 loops (admin.py: pause/resume, weight updates, collective_rpc). Errors are OpenAI-style
 `{"error": {message, type, param, code}}`: invalid input 400
 (validation errors included, never 422), unknown model 404, missing or wrong key under --api-key 401, a dead
@@ -51,6 +51,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -62,8 +63,14 @@ from vllm.entrypoints.openai.admin import attach_admin_router
 from vllm.entrypoints.openai.graceful_shutdown import (DEFAULT_SHUTDOWN_TIMEOUT_S, FLUSH_S, GracefulServer,
                                                        ServerDrain)
 from vllm.entrypoints.openai.openapi import documented_openapi, route_responses
+from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                              CompletionResponse, GenerateRequest, GenerateResponse)
+                                              CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                              GenerateRequest, GenerateResponse, TokenizeChatRequest,
+                                              TokenizeCompletionRequest, TokenizeResponse)
+from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm.entrypoints.openai.tool_parsers import get_tool_parser
+from vllm.sampling_params import SamplingParams
 from vllm.entrypoints.openai.request_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, PreprocessPool, RequestGuard
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -72,6 +79,7 @@ from vllm.entrypoints.openai.serving_engine import (NotFoundError, ServerShuttin
 from vllm.entrypoints.openai.serving_generate import OpenAIServingGenerate
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, launch_engine_core
 from vllm.v1.metrics.gc_timing import GcTimer
@@ -93,6 +101,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "Invalid request.", None
     first = errors[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, VLLMValidationError):  # a field refused by name (request_fields.py): its own message
+        return str(cause), cause.parameter
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
@@ -191,11 +202,39 @@ def _respond(result: Any) -> Response:
     return JSONResponse(result.model_dump())
 
 
+def default_sampling_params(model_config: Any) -> dict[str, Any]:
+    """The generation config's defaults (ModelConfig.get_diff_sampling_param), checked once at start-up."""
+    defaults = model_config.get_diff_sampling_param()
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"The model's generation config sets sampling defaults this engine refuses ({e}); start "
+                         "with --generation-config vllm to ignore them.") from e
+    return defaults
+
+
+def check_frontend_args(args: argparse.Namespace, model_config: Any) -> None:
+    """The server flags that can be wrong, checked before the engine starts (`vllm serve` exits with status 2 and
+    the message): the tool-call flags, --chat-template, the generation config's defaults."""
+    enable_auto_tool_choice = getattr(args, "enable_auto_tool_choice", False)
+    tool_call_parser = getattr(args, "tool_call_parser", None)
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (this engine implements: hermes).")
+    if tool_call_parser:
+        get_tool_parser(tool_call_parser)
+    load_chat_template(getattr(args, "chat_template", None))
+    default_sampling_params(model_config)
+
+
 def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints: bool = False, *,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, chat_template: str | None = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """The app; the admin endpoints of RL training loops (admin.py) only with enable_rl_endpoints or
-    VLLM_SERVER_DEV_MODE=1."""
+    VLLM_SERVER_DEV_MODE=1. chat_template: --chat-template (a file or the template itself)."""
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (this engine implements: hermes).")
+    tool_parser = get_tool_parser(tool_call_parser) if enable_auto_tool_choice and tool_call_parser else None
     app = FastAPI(title="vllm", version=vllm.__version__)
     mc = engine.model_config
     names = [mc.served_model_name or str(mc.model)]
@@ -204,8 +243,12 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
     app.state.preprocess = preprocess = PreprocessPool()
     app.state.models = OpenAIServingModels(names, str(mc.model), int(mc.max_model_len or 0))
     app.state.completion = OpenAIServingCompletion(engine, names, preprocess)
-    app.state.chat = OpenAIServingChat(engine, names, preprocess, trust_request_chat_template)
+    app.state.chat = OpenAIServingChat(engine, names, preprocess, trust_request_chat_template,
+                                       load_chat_template(chat_template), tool_parser)
     app.state.generate = OpenAIServingGenerate(engine, names, preprocess)
+    app.state.tokenization = OpenAIServingTokenization(app.state.chat)
+    app.state.completion.default_sampling_params = app.state.chat.default_sampling_params = \
+        default_sampling_params(mc)
 
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
@@ -288,6 +331,25 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
         handler = app.state.generate.generate(request)
         return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(raw_request: Request) -> Response:
+        # NOTE: the body's form (messages or prompt) picks the model, so that the other one never reports the
+        # first one's fields as unknown.
+        try:
+            body = await raw_request.json()
+        except ValueError as e:
+            return _error(f"The request body is not valid JSON: {e}", 400, "BadRequestError")
+        model = TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
+        try:
+            request = model.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from e
+        return _respond(await app.state.tokenization.tokenize(request))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return _respond(await app.state.tokenization.detokenize(request))
+
     app.openapi = lambda: documented_openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -313,6 +375,14 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--trust-request-chat-template", action="store_true", default=False,
                         help="Accept a `chat_template` sent in a chat request (refused by default). It still renders "
                              "in the sandbox, with bounded work and output.")
+    parser.add_argument("--chat-template", default=None,
+                        help="The chat template: a file, or the Jinja template itself; the tokenizer's when not given.")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true", default=False,
+                        help='Parse the tool calls of chat requests with tool_choice "auto" (or tools and no '
+                             "tool_choice); needs --tool-call-parser.")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="The tool-call format of the model's output: hermes (<tool_call>{json}</tool_call>, the "
+                             "Qwen2.5 / Qwen3 and Hermes models).")
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="Seconds that running requests get to finish after SIGTERM / SIGINT; the rest then end "
                              "with an error (HTTP 503, or an error event and [DONE] when streamed).")
@@ -371,7 +441,10 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
     try:
         app = build_app(engine, args.api_key, getattr(args, "enable_rl_endpoints", False),
                         max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES),
-                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
+                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+                        chat_template=getattr(args, "chat_template", None),
+                        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                        tool_call_parser=getattr(args, "tool_call_parser", None))
         # NOTE: everything built so far (imports, torch among them, the app, the engine client) lives as long as
         # the process: frozen, it is left out of every later collection (each full one would walk ~200k objects,
         # ~0.1 s without serving any stream); then the serving thresholds (vllm/v1/serving_gc.py).

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP protocol (pydantic models): requests, responses and stream chunks.
 
-Requests take OpenAI's fields plus vLLM's extra sampling fields; unknown fields are ignored (as OpenAI clients
-send new ones). `to_sampling_params()` builds SamplingParams, whose validation (VLLMValidationError, a ValueError
+Requests take OpenAI's fields plus vLLM's extra sampling fields. vLLM's request fields this engine does not
+implement are refused with a 400 naming them, unless they ask for nothing; fields no vLLM request has are ignored
+with vLLM's warning listing them (request_fields.py, RequestModel). `to_sampling_params()` builds SamplingParams, whose validation (VLLMValidationError, a ValueError
 naming the field) becomes HTTP 400.
 
 Types are strict where lax parsing would change a request's meaning: booleans take only true/false ("stream":
@@ -24,8 +25,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt,
-                      ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator)
+                      ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, model_serializer,
+                      model_validator)
 
+from vllm.entrypoints.openai.request_fields import check_request_fields
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams, check_unicode
 from vllm.utils import random_uuid
@@ -104,6 +107,16 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class RequestModel(OpenAIBaseModel):
+    """A request body: vLLM fields not implemented here are refused, unknown ones logged (request_fields.py)."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        check_request_fields(cls.model_fields, data, cls.__name__)
+        return handler(data)
+
+
 class ErrorInfo(OpenAIBaseModel):
     message: str
     type: str
@@ -139,7 +152,7 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool | None = False
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestModel):
     """OpenAI's sampling fields and vLLM's extras, shared by completions and chat."""
 
     temperature: Float | None = Field(None, **_bounds(minimum=0, maximum=2))
@@ -185,6 +198,7 @@ class CompletionRequest(SamplingFields):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    request_id: Text | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs, self.stream)
@@ -231,9 +245,64 @@ class CompletionStreamResponse(CompletionResponse):
     pass
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: Text
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    function: ChatCompletionNamedFunction
+    type: Literal["function"] = "function"
+
+
+def _without_tool_calls(data: dict[str, Any]) -> dict[str, Any]:
+    # NOTE: vLLM leaves `tool_calls` out of a message or delta without calls (clients test for the key).
+    if data.get("tool_calls") is None:
+        data.pop("tool_calls", None)
+    return data
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _without_tool_calls(handler(self))
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -249,6 +318,14 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: StrictBool = True
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tools (serving_chat.py, tool_parsers/): passed to the chat template; "auto" parses the output's tool calls.
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    parallel_tool_calls: StrictBool | None = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    documents: list[dict[str, Any]] | None = None
+    request_id: Text | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -297,6 +374,11 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _without_tool_calls(handler(self))
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -320,7 +402,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
-class GenerateRequest(OpenAIBaseModel):
+class GenerateRequest(RequestModel):
     """vLLM's token-ids-in / token-ids-out request (`/inference/v1/generate`)."""
 
     request_id: Text = Field(default_factory=random_uuid, min_length=1)
@@ -376,3 +458,45 @@ class GenerateResponse(OpenAIBaseModel):
 
 class GenerateStreamResponse(GenerateResponse):
     pass
+
+
+class TokenizeCompletionRequest(RequestModel):
+    """POST /tokenize with a prompt."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeChatRequest(RequestModel):
+    """POST /tokenize with messages: the prompt the chat endpoint would build from them."""
+
+    model: Text | None = None
+    messages: list[dict[str, Any]] = Field(**_bounds(minItems=1, items=_MESSAGE_SCHEMA))
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool | None = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

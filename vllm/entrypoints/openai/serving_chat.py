@@ -10,6 +10,14 @@ both checked before the request is added. A request's own `chat_template` is ref
 --trust-request-chat-template; it then renders in the preprocess pool under the sandbox's step budget
 (template_sandbox.py), as does the server's template for a large conversation or any chat_template_kwargs; the
 rendered prompt is checked in characters against the context before it is tokenized (request_limits.py).
+
+Tools (vLLM's rules): `tools` go to the chat template (chat_utils.render_chat). `tool_choice` defaults to "auto"
+when tools are sent, else "none"; "auto" needs the server's --enable-auto-tool-choice and --tool-call-parser (else
+a 400 naming it, vLLM's message) and then parses each choice's text (tool_parsers/): `message.tool_calls` and
+finish_reason "tool_calls" when the model called a tool, `delta.tool_calls` when streamed, with special tokens
+kept in the text (the parser reads them). "required" and a named function need structured outputs, which this
+engine does not implement: a 400 naming the value. Requests' unset sampling fields take the model's generation
+config defaults (OpenAIServing.with_defaults).
 """
 
 from __future__ import annotations
@@ -20,10 +28,12 @@ from typing import Any
 
 import msgspec
 
+from vllm.entrypoints.chat_utils import render_chat
 from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
                                               random_uuid)
+from vllm.entrypoints.openai.tool_parsers import Hermes2ProToolParser, HermesStreamState
 from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, prompt_char_limit
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
                                                     weight_spans, with_mask_texts)
@@ -89,13 +99,40 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def resolve_tool_choice(request: ChatCompletionRequest, tool_parser: type[Hermes2ProToolParser] | None) -> str:
+    """The request's tool choice, "none" or "auto" (module docstring); a 400 for what cannot be served."""
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if request.tools else "none"
+    if choice == "none":
+        return "none"
+    if not request.tools:
+        raise VLLMValidationError("When using `tool_choice`, `tools` must be set.", parameter="tool_choice")
+    if choice == "auto":
+        if tool_parser is None:
+            raise VLLMValidationError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                      "to be set", parameter="tool_choice")
+        return "auto"
+    what = "tool_choice='required'" if choice == "required" else \
+        f"tool_choice naming the function {choice.function.name!r}"  # type: ignore[union-attr]
+    raise VLLMValidationError(f"{what} is not supported: it needs structured outputs (guided decoding), which this "
+                              'engine does not implement; use tool_choice "auto" or "none".', parameter="tool_choice")
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], preprocess: PreprocessPool | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, chat_template: str | None = None,
+                 tool_parser: type[Hermes2ProToolParser] | None = None) -> None:
         super().__init__(engine, served_model_names, preprocess)
         self.trust_request_chat_template = trust_request_chat_template
+        # --chat-template (already read: chat_utils.load_chat_template); None: the tokenizer's
+        self.chat_template = chat_template
+        # --enable-auto-tool-choice with --tool-call-parser; None without it
+        self.tool_parser = tool_parser
 
-    async def _prompt_token_ids(self, request: ChatCompletionRequest) -> list[int]:
+    async def _prompt_token_ids(self, request: Any) -> list[int]:
+        """The prompt of a chat request (or a /tokenize request with messages): its messages through the chat
+        template, tokenized."""
         if self.tokenizer is None:
             raise VLLMValidationError("Chat needs a tokenizer, but the server runs with --skip-tokenizer-init.",
                                       parameter="messages")
@@ -116,11 +153,15 @@ class OpenAIServingChat(OpenAIServing):
         # NOTE: no value the template builds may be longer than the prompt the context can hold (what is longer
         # is refused after rendering anyway); that also bounds the memory a template can take.
         max_chars = prompt_char_limit(self.max_model_len, self.tokenizer.max_token_chars)
+        tools = [tool.model_dump() for tool in request.tools] if request.tools is not None else None
+        check_strings(tools, "tools")
         render = functools.partial(
-            self.tokenizer.apply_chat_template, messages, tokenize=False,
-            add_generation_prompt=request.add_generation_prompt, chat_template=request.chat_template,
-            max_chars=max_chars, cache_template=request.chat_template is None,
-            **(request.chat_template_kwargs or {}))
+            render_chat, self.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template if request.chat_template is not None else self.chat_template,
+            tools=tools, documents=getattr(request, "documents", None),
+            chat_template_kwargs=request.chat_template_kwargs, max_chars=max_chars,
+            cache_template=request.chat_template is None)
         try:
             if request.chat_template is not None:
                 # NOTE: a request's template runs in the pool under a step budget (template_sandbox.py).
@@ -140,20 +181,27 @@ class OpenAIServingChat(OpenAIServing):
             raise VLLMValidationError(f"The chat template failed on these messages: {type(e).__name__}: {e}",
                                       parameter="messages") from e
         assert isinstance(rendered, str)
-        # NOTE: the template writes the BOS itself when the model wants one.
-        return await self.encode(rendered, False, "messages")
+        # NOTE: the template writes the BOS itself when the model wants one (add_special_tokens defaults to False).
+        return await self.encode(rendered, request.add_special_tokens, "messages")
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | dict | SSEStream:
         model = self.model_name(request.model)
+        parser = self.tool_parser(request.parallel_tool_calls is not False) \
+            if resolve_tool_choice(request, self.tool_parser) == "auto" else None
+        request = self.with_defaults(request)
+        if parser is not None:
+            # NOTE: vLLM's hermes parser keeps special tokens in the text (its tags may be special tokens).
+            request = request.model_copy(update={"skip_special_tokens": False})
         params = request.to_sampling_params()
         prompt_ids = await self._prompt_token_ids(request)
         check_max_tokens(params.max_tokens, len(prompt_ids), self.max_model_len)
-        request_id = f"chatcmpl-{random_uuid()}"
-        queue = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
-        gen = self.engine.stream_outputs(request_id, queue)
+        engine_id = f"chatcmpl-{random_uuid()}"
+        request_id = f"chatcmpl-{request.request_id}" if request.request_id else engine_id
+        queue = await self.engine.add_request(engine_id, {"prompt_token_ids": prompt_ids}, params)
+        gen = self.engine.stream_outputs(engine_id, queue)
         if request.stream:
-            return SSEStream(self._stream(request, model, request_id, gen), [gen])
+            return SSEStream(self._stream(request, model, request_id, gen, parser), [gen])
         final: RequestOutput | None = None
         async for out in gen:
             final = out
@@ -161,7 +209,8 @@ class OpenAIServingChat(OpenAIServing):
         outputs = sorted(final.outputs, key=lambda c: c.index)
         texts = mask_texts(outputs)
         choices = [ChatCompletionResponseChoice(
-            index=c.index, message=ChatMessage(role="assistant", content=c.text), finish_reason=c.finish_reason,
+            index=c.index, message=(message := _message(c.text, parser)),
+            finish_reason="tool_calls" if message.tool_calls else c.finish_reason,
             stop_reason=c.stop_reason,
             logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0) if request.logprobs
             else None,
@@ -177,8 +226,9 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, model=model, choices=choices, usage=usage,
             prompt_token_ids=list(prompt_ids) if request.return_token_ids else None), texts)
 
-    async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str,
-                      gen: OutputStream) -> AsyncGenerator[bytes, None]:
+    async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str, gen: OutputStream,
+                      parser: Hermes2ProToolParser | None = None) -> AsyncGenerator[bytes, None]:
+        states: dict[int, HermesStreamState] = {}
         for index in range(request.n):
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[
                 ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))
@@ -187,8 +237,12 @@ class OpenAIServingChat(OpenAIServing):
             num_prompt = len(out.prompt_token_ids or [])
             for c in out.outputs:
                 num_completion += len(c.token_ids)
+                delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                if parser is not None:
+                    delta, finish_reason = _tool_delta(states.setdefault(c.index, parser.stream_state()), c.text,
+                                                       finish_reason)
                 choice = ChatCompletionResponseStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason,
+                    index=c.index, delta=delta, finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                     logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
                     if request.logprobs else None,
@@ -210,3 +264,24 @@ class OpenAIServingChat(OpenAIServing):
                               total_tokens=num_prompt + num_completion)
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage))
         yield SSE_DONE
+
+
+def _message(text: str, parser: Hermes2ProToolParser | None) -> ChatMessage:
+    """The assistant message of a whole response: the text, or its tool calls and the content before them."""
+    if parser is None:
+        return ChatMessage(role="assistant", content=text)
+    info = parser.extract_tool_calls(text)
+    return ChatMessage(role="assistant", content=info.content, tool_calls=info.tool_calls or None)
+
+
+def _tool_delta(state: HermesStreamState, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+    """A streamed chunk's delta (content and/or tool calls) and its finish_reason, "tool_calls" at the end of a
+    choice that called a tool."""
+    content, calls = state.feed(text)
+    if finish_reason is not None:
+        rest, more = state.finish()
+        content = (content or "") + (rest or "") or None
+        calls += more
+        if state.tools_called:
+            finish_reason = "tool_calls"
+    return DeltaMessage(content=content, tool_calls=calls or None), finish_reason

@@ -91,7 +91,7 @@ async def merge_streams(streams: list[OutputStream]) -> AsyncGenerator[tuple[int
 
 class OpenAIServingCompletion(OpenAIServing):
     async def _start(self, request: CompletionRequest) -> tuple[str, list[str], list[OutputStream]]:
-        params = request.to_sampling_params()
+        params = self.with_defaults(request).to_sampling_params()
         prompts = parse_prompts(request.prompt)
         max_n = envs.VLLM_MAX_N_SEQUENCES
         if len(prompts) * params.n > max_n:
@@ -160,6 +160,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                 ) -> CompletionResponse | dict | SSEStream:
         model = self.model_name(request.model)
         base_id, request_ids, gens = await self._start(request)
+        if request.request_id:  # vLLM's: the response id names the client's request_id (engine ids stay unique)
+            base_id = f"cmpl-{request.request_id}"
         if request.stream:
             return SSEStream(self._stream(request, model, base_id, gens), gens)
         finals: dict[int, RequestOutput] = {}

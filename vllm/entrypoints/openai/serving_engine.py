@@ -107,6 +107,23 @@ class OpenAIServing:
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = int(engine.model_config.max_model_len or 0)
         self.preprocess = preprocess if preprocess is not None else PreprocessPool()
+        # The generation config's sampling defaults (ModelConfig.get_diff_sampling_param), set by build_app.
+        self.default_sampling_params: dict[str, Any] = {}
+
+    def with_defaults(self, request: Any) -> Any:
+        """`request` with the generation config's defaults (vllm/config/generation_config.py) in the sampling fields
+        it left unset; max_tokens becomes the smaller of the request's and the default. Unchanged without
+        defaults."""
+        defaults = self.default_sampling_params
+        if not defaults:
+            return request
+        update = {k: v for k, v in defaults.items() if k != "max_tokens" and getattr(request, k, 0) is None}
+        if "max_tokens" in defaults:
+            field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None \
+                else "max_tokens"
+            asked = getattr(request, field)
+            update[field] = defaults["max_tokens"] if asked is None else min(asked, defaults["max_tokens"])
+        return request.model_copy(update=update)
 
     async def encode(self, text: str, add_special_tokens: bool, parameter: str) -> list[int]:
         """`text` as token ids, refused first if its characters cannot fit the context; a long text is tokenized

@@ -191,12 +191,20 @@ class SamplingMaskTensors(NamedTuple):
     text_group: torch.Tensor | None = None
 
     @classmethod
-    def from_logits(cls, logits: torch.Tensor, num_sampled: torch.Tensor | None,
-                    max_num_kept: int) -> SamplingMaskTensors:
-        """Support of each row of the processed `logits`; rows whose num_sampled is 0 are empty.
+    def from_logits(cls, logits: torch.Tensor, num_sampled_tokens: torch.Tensor | None = None,
+                    max_num_kept: int = MAX_COMPACT_SUPPORT, *,
+                    num_sampled: torch.Tensor | None = None) -> SamplingMaskTensors:
+        """Support of each row of the processed `logits`; rows whose num_sampled_tokens is 0 are empty.
 
-        `num_sampled=None` means every row sampled. `max_num_kept` is the batch's largest top_k.
+        Upstream's signature (`from_logits(logits, num_sampled_tokens, max_num_kept)`); `num_sampled=` is this
+        engine's older keyword for the same tensor. None means every row sampled. `max_num_kept` is the batch's
+        largest top_k (K is capped at MAX_COMPACT_SUPPORT; wider rows are read from the bitmask).
         """
+        if num_sampled is not None:
+            if num_sampled_tokens is not None:
+                raise TypeError("from_logits: pass num_sampled_tokens or num_sampled (its older name), not both.")
+            num_sampled_tokens = num_sampled
+        num_sampled = num_sampled_tokens
         if num_sampled is None:
             num_sampled = torch.ones(logits.shape[0], dtype=torch.int32, device=logits.device)
         return compact_sampling_mask(logits, num_sampled, max_num_kept)
