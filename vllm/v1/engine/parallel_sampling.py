@@ -17,7 +17,7 @@ Invariants (vLLM v1's behaviour):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -34,9 +34,11 @@ def child_request_id(index: int, parent_request_id: str) -> str:
 
 
 def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The parent's params with n=1 and, when the parent is seeded, seed + index."""
+    """The parent's params with n=1 and, when the parent is seeded, seed + index; prompt logprobs (the same for
+    every child) are computed by child 0 only."""
     seed = params.seed
-    return msgspec.structs.replace(params, n=1, seed=None if seed is None else seed + index)
+    return msgspec.structs.replace(params, n=1, seed=None if seed is None else seed + index,
+                                   prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 class ParentRequest:
@@ -61,6 +63,8 @@ class ParentRequest:
         # Streaming: this step's new outputs, by index (flushed by `take_request_output`).
         self.pending: dict[int, CompletionOutput] = {}
         self.num_cached_tokens = 0
+        # Child 0's prompt logprobs once they arrived (RequestState.set_prompt_logprobs); DELTA: until sent once.
+        self.prompt_logprobs: Any = None
 
     def make_child_requests(self) -> list[EngineCoreRequest]:
         return [msgspec.structs.replace(self.request, request_id=req_id,
@@ -95,11 +99,14 @@ class ParentRequest:
                 return None
             outputs = [self.pending[i] for i in sorted(self.pending)]
             self.pending = {}
+        prompt_logprobs = self.prompt_logprobs
+        if self.output_kind == RequestOutputKind.DELTA:
+            self.prompt_logprobs = None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
