@@ -176,3 +176,39 @@ def test_preemption_and_padded_steps(async_scheduling: bool, padded: bool) -> No
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0, :-1].double().log_softmax(-1)
         check_against_reference(p, out.prompt_logprobs, ref, 2)
+
+
+def test_several_passes_per_step(whole: LLM, hf_logprobs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's prompt rows go through the LM head in passes of MAX_ROWS_PER_PASS: 3 here, so passes split the
+    rows of one request and straddle two requests."""
+    import vllm.v1.worker.prompt_logprobs as plp_module
+
+    monkeypatch.setattr(plp_module, "MAX_ROWS_PER_PASS", 3)
+    outs = whole.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**GREEDY, prompt_logprobs=2),
+                          use_tqdm=False)
+    for p, out in zip(PROMPTS, outs):
+        check_against_reference(p, out.prompt_logprobs, hf_logprobs[tuple(p)], 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_chunked_and_mixed(hf_logprobs: dict) -> None:
+    """On CUDA with its defaults (bf16, async scheduling, decode / mixed forward graphs, sampler graphs) and
+    16-token steps: prompt logprobs close to the float64 reference (bf16 tolerance), and the requests that do
+    not ask get the same tokens as in a batch where nobody asks."""
+    llm = LLM(device="cuda", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16, gpu_memory_utilization=0.3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+    mixed = llm.generate(prompts, [SamplingParams(**GREEDY, prompt_logprobs=2 if i % 2 == 0 else None)
+                                   for i in range(len(PROMPTS))], use_tqdm=False)
+    for i, (p, a, b) in enumerate(zip(PROMPTS, plain, mixed)):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        if i % 2:
+            assert b.prompt_logprobs is None
+            continue
+        assert len(b.prompt_logprobs) == len(p) and b.prompt_logprobs[0] is None
+        ref = hf_logprobs[tuple(p)]
+        for j in range(1, len(p)):
+            entries = b.prompt_logprobs[j]
+            assert len(entries) in (2, 3)
+            for t, lp in entries.items():
+                assert lp.logprob == pytest.approx(ref[j - 1, t].item(), abs=0.1)

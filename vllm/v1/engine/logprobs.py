@@ -141,8 +141,8 @@ def make_prompt_logprobs(plp: PromptLogprobs, tokenizer: Tokenizer | None,
         if all_decoded is not None:
             decoded = all_decoded[pos:pos + len(row_ids)]
             pos += len(row_ids)
-        if flat:
-            out.append_position(row_ids, row_logprobs, [rank, *range(1, len(row_ids))], decoded)  # type: ignore[union-attr]
+        if isinstance(out, FlatLogprobs):
+            out.append_position(row_ids, row_logprobs, [rank, *range(1, len(row_ids))], decoded)
         else:
             out.append(_make_logprob_dict(row_ids, row_logprobs, decoded, rank))
     return out

@@ -35,9 +35,10 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import PromptLogprobs
 
-# NOTE: 1024 rows x a 152k vocabulary is ~0.6 GB of float32 logprobs per pass; a whole 8k-token chunk at once
-# would be ~5 GB.
-MAX_ROWS_PER_PASS = 1024
+# NOTE: 256 rows x a 152k vocabulary is ~0.16 GB of float32 logprobs per pass (about what the sampler's profiled
+# [max_num_seqs, vocab] float32 logits take, so it fits the memory the KV cache left); a whole 8k-token chunk at
+# once would be ~5 GB.
+MAX_ROWS_PER_PASS = 256
 
 
 @dataclass(slots=True)
