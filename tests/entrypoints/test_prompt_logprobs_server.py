@@ -199,3 +199,31 @@ def test_return_tokens_as_token_ids(server: RemoteServer) -> None:
     assert not any(c["token"].startswith("token_id:") for c in choice["logprobs"]["content"])
     resp = post(server, "/v1/completions", {**base, "return_tokens_as_token_ids": "yes"})
     assert resp.status_code == 400
+
+
+def test_n_samples(server: RemoteServer, reference: torch.Tensor) -> None:
+    """n > 1: the prompt logprobs once per request (streamed: in one chunk), and with echo every sample's first
+    chunk starts with the prompt's logprobs, also a sample whose first chunk comes after the others'."""
+    body = {"token_ids": PROMPT_IDS, "stream": True,
+            "sampling_params": {"max_tokens": 3, "n": 3, "temperature": 1.0, "prompt_logprobs": 1, "seed": 1}}
+    resp = post(server, "/inference/v1/generate", body)
+    assert resp.status_code == 200, resp.text
+    events = [json.loads(line[6:]) for line in resp.text.split("\n\n") if line.startswith("data: {")]
+    carried = [e["prompt_logprobs"] for e in events if e.get("prompt_logprobs") is not None]
+    assert len(carried) == 1
+    check_prompt_logprobs(carried[0], PROMPT_IDS, reference, 1)
+    body = {"prompt": PROMPT_IDS, "max_tokens": 3, "n": 3, "temperature": 1.0, "echo": True, "logprobs": 0,
+            "stream": True, "seed": 2}
+    resp = post(server, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    firsts: dict[int, Any] = {}
+    for line in resp.text.split("\n\n"):
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                firsts.setdefault(c["index"], c)
+    assert sorted(firsts) == [0, 1, 2]
+    expected = [reference[j - 1, PROMPT_IDS[j]].item() for j in range(1, len(PROMPT_IDS))]
+    for c in firsts.values():
+        values = c["logprobs"]["token_logprobs"]
+        assert values[0] is None
+        assert values[1:len(PROMPT_IDS)] == pytest.approx(expected, abs=2e-4)
