@@ -212,3 +212,28 @@ def test_cuda_graphs_chunked_and_mixed(hf_logprobs: dict) -> None:
             assert len(entries) in (2, 3)
             for t, lp in entries.items():
                 assert lp.logprob == pytest.approx(ref[j - 1, t].item(), abs=0.1)
+
+
+def test_abort_during_prefill_forgets_the_request(chunked: LLM, hf_logprobs: dict) -> None:
+    """A request aborted between its prompt chunks leaves no state in the runner, and a later request with the
+    same id starts over (its rows equal the reference, not the first one's partial rows plus its own)."""
+    engine = chunked.llm_engine
+    runner = engine.engine_core.engine_core.worker.model_runner
+    params = SamplingParams(**GREEDY, prompt_logprobs=1)
+    engine.add_request("plp-abort", {"prompt_token_ids": PROMPTS[0]}, params)
+    engine.step()
+    engine.step()
+    assert "plp-abort" in runner.prompt_logprobs.requests  # 25 prompt tokens, 8 per step: still in prefill
+    engine.abort_request(["plp-abort"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("other", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(**GREEDY))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not runner.prompt_logprobs.requests
+    engine.add_request("plp-abort", {"prompt_token_ids": PROMPTS[0]}, params)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finals] == ["plp-abort"]
+    check_against_reference(PROMPTS[0], finals[0].prompt_logprobs, hf_logprobs[tuple(PROMPTS[0])], 1)
