@@ -82,7 +82,8 @@ def test_vllm_validation_error_is_vllms() -> None:
     ({"stop": ["fine", "a\udfffb"]}, "stop"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"return_sampling_mask": 1}, "return_sampling_mask"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs"),
+    ({"prompt_logprobs": True}, "prompt_logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),  # in range, but not implemented yet: named
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
 ])

@@ -161,14 +161,16 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int] | None
-    prompt_logprobs: None
+    # None for the first prompt token, then one {token id: Logprob} per prompt token (SamplingParams.prompt_logprobs;
+    # a FlatLogprobs with flat_logprobs), or None when not requested.
+    prompt_logprobs: Any
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int | None
     metrics: object | None
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                 prompt_logprobs: None, outputs: list[CompletionOutput], finished: bool,
+                 prompt_logprobs: Any, outputs: list[CompletionOutput], finished: bool,
                  num_cached_tokens: int | None = None, metrics: object | None = None, **kwargs: object) -> None:
         self.request_id = request_id
         self.prompt = prompt

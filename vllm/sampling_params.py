@@ -188,9 +188,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
                                       f"got {self.min_tokens}.", parameter="min_tokens", value=self.min_tokens)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= _INT64_MAX):
             raise bad("logprobs", f"an integer in [0, {_INT64_MAX}]", self.logprobs)
-        if self.prompt_logprobs is not None:
-            raise VLLMValidationError("prompt_logprobs is not supported yet; leave it unset.",
-                                      parameter="prompt_logprobs", value=self.prompt_logprobs)
+        # NOTE: -1 is vLLM's "the whole vocabulary" (then bounded by max_logprobs in the input processor).
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not -1 <= self.prompt_logprobs <= _INT64_MAX):
+            raise bad("prompt_logprobs", f"-1 (the whole vocabulary) or an integer in [0, {_INT64_MAX}]",
+                      self.prompt_logprobs)
         if self.seed is not None:
             if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX:
                 raise bad("seed", f"an integer in [{_INT64_MIN}, {_INT64_MAX}]", self.seed)

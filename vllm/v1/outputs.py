@@ -310,6 +310,8 @@ class ModelRunnerOutput:
     pending_masks: Any = None
     # The model runner's per-row settings; None (hand-built outputs): the scheduler reads the requests'.
     row_settings: StepRowSettings | None = None
+    # Requests whose prompt logprobs were completed this step (vllm.v1.engine.PromptLogprobs), by request id.
+    prompt_logprobs_dict: dict[str, Any] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -89,6 +89,10 @@ class Request:
         self.stop_check_token_ids: frozenset[int] = frozenset(stop_ids)
         self.wants_logprobs: bool = sampling_params.logprobs is not None
         self.wants_sampling_mask: bool = sampling_params.return_sampling_mask is not False
+        # vLLM's name: a request with prompt logprobs needs the logits of every prompt position, so a prefix cache
+        # must not serve it cached blocks (vllm/v1/worker/prompt_logprobs.py refuses a prompt computed from
+        # past position 0). Writing its blocks to the cache for others is fine.
+        self.skip_reading_prefix_cache: bool = sampling_params.prompt_logprobs is not None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

@@ -229,7 +229,8 @@ def check_frontend_args(args: argparse.Namespace, model_config: Any) -> None:
 def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints: bool = False, *,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               trust_request_chat_template: bool = False, chat_template: str | None = None,
-              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The app; the admin endpoints of RL training loops (admin.py) only with enable_rl_endpoints or
     VLLM_SERVER_DEV_MODE=1. chat_template: --chat-template (a file or the template itself)."""
     if enable_auto_tool_choice and not tool_call_parser:
@@ -249,6 +250,8 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
     app.state.tokenization = OpenAIServingTokenization(app.state.chat)
     app.state.completion.default_sampling_params = app.state.chat.default_sampling_params = \
         default_sampling_params(mc)
+    for serving in (app.state.completion, app.state.chat, app.state.generate):
+        serving.return_tokens_as_token_ids = return_tokens_as_token_ids
 
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
@@ -366,6 +369,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="Mount the admin endpoints of RL training loops (pause/resume, weight updates, "
                              "collective_rpc; docs/rl.md), as VLLM_SERVER_DEV_MODE=1 does. They load files and run "
                              "worker methods by name: trusted networks only.")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true", default=False,
+                        help="Name the tokens of logprobs 'token_id:{id}' instead of their text (for tokens that "
+                             "are not valid UTF-8 alone); a request's return_tokens_as_token_ids overrides it.")
     parser.add_argument("--api-server-count", "-asc", type=int, default=1,
                         help="API server processes in front of the one engine core; more than 1 spreads the "
                              "per-token HTTP/JSON work of many concurrent streams over several CPU cores.")
@@ -444,7 +450,8 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
                         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
                         chat_template=getattr(args, "chat_template", None),
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                        tool_call_parser=getattr(args, "tool_call_parser", None))
+                        tool_call_parser=getattr(args, "tool_call_parser", None),
+                        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False))
         # NOTE: everything built so far (imports, torch among them, the app, the engine client) lives as long as
         # the process: frozen, it is left out of every later collection (each full one would walk ~200k objects,
         # ~0.1 s without serving any stream); then the serving thresholds (vllm/v1/serving_gc.py).

@@ -173,9 +173,18 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: StrictBool = True
     return_sampling_mask: StrictBool | None = None
     return_token_ids: StrictBool = False
+    # vLLM's: the prompt tokens' logprobs (-1: the whole vocabulary), and logprob tokens as "token_id:{id}"
+    # (None: the server's --return-tokens-as-token-ids).
+    prompt_logprobs: Int | None = Field(None, **_bounds(minimum=-1, maximum=INT64_MAX))
+    return_tokens_as_token_ids: StrictBool | None = None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        if stream and self.prompt_logprobs is not None and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+            raise VLLMValidationError("`prompt_logprobs` are not available when `stream=True`.",
+                                      parameter="prompt_logprobs", value=self.prompt_logprobs)
         return SamplingParams.from_optional(
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -200,8 +209,17 @@ class CompletionRequest(SamplingFields):
     user: Text | None = None
     request_id: Text | None = None
 
+    @property
+    def echo_without_generation(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone (OpenAI's API; one token is generated and
+        dropped, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs, self.stream)
+        # NOTE: echo with logprobs needs the prompt tokens' logprobs (vLLM: prompt_logprobs defaults to logprobs).
+        prompt_logprobs = self.logprobs if self.prompt_logprobs is None and self.echo else None
+        max_tokens = 1 if self.echo_without_generation else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, self.stream, prompt_logprobs)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -230,6 +248,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     sampling_mask: list[list[int]] | None = None
     # Only once the engine's weights were named (RL weight updates, docs/rl.md): None until then.
     weight_versions: list[WeightVersionSpan] | None = None
+    # vLLM's: None for the first prompt token, then {str(token id): {logprob, rank, decoded_token}} per token.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -369,6 +389,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -452,7 +473,7 @@ class GenerateResponseChoice(OpenAIBaseModel):
 class GenerateResponse(OpenAIBaseModel):
     request_id: str
     choices: list[GenerateResponseChoice]
-    prompt_logprobs: list[dict[int, Any] | None] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
     usage: UsageInfo | None = None
 
 

@@ -35,8 +35,8 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComplet
                                               random_uuid)
 from vllm.entrypoints.openai.tool_parsers import Hermes2ProToolParser, HermesStreamState
 from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, prompt_char_limit
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
-                                                    weight_spans, with_mask_texts)
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts,
+                                                    prompt_logprobs_json, sse, weight_spans, with_mask_texts)
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import check_unicode
@@ -208,12 +208,13 @@ class OpenAIServingChat(OpenAIServing):
         assert final is not None
         outputs = sorted(final.outputs, key=lambda c: c.index)
         texts = mask_texts(outputs)
+        as_ids = self.tokens_as_ids(request.return_tokens_as_token_ids)
         choices = [ChatCompletionResponseChoice(
             index=c.index, message=(message := _message(c.text, parser)),
             finish_reason="tool_calls" if message.tool_calls else c.finish_reason,
             stop_reason=c.stop_reason,
-            logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0) if request.logprobs
-            else None,
+            logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0, as_ids)
+            if request.logprobs else None,
             token_ids=list(c.token_ids) if request.return_token_ids else None,
             sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None and text is None else None,
             weight_versions=weight_spans(c))
@@ -224,7 +225,8 @@ class OpenAIServingChat(OpenAIServing):
                           total_tokens=num_prompt + num_completion)
         return with_mask_texts(ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=usage,
-            prompt_token_ids=list(prompt_ids) if request.return_token_ids else None), texts)
+            prompt_token_ids=list(prompt_ids) if request.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs)), texts)
 
     async def _stream(self, request: ChatCompletionRequest, model: str, request_id: str, gen: OutputStream,
                       parser: Hermes2ProToolParser | None = None) -> AsyncGenerator[bytes, None]:
@@ -233,6 +235,7 @@ class OpenAIServingChat(OpenAIServing):
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[
                 ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))
         num_prompt = num_completion = 0
+        as_ids = self.tokens_as_ids(request.return_tokens_as_token_ids)
         async for out in gen:
             num_prompt = len(out.prompt_token_ids or [])
             for c in out.outputs:
@@ -244,7 +247,7 @@ class OpenAIServingChat(OpenAIServing):
                 choice = ChatCompletionResponseStreamChoice(
                     index=c.index, delta=delta, finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
-                    logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
+                    logprobs=self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0, as_ids)
                     if request.logprobs else None,
                     token_ids=list(c.token_ids) if request.return_token_ids else None,
                     weight_versions=weight_spans(c))

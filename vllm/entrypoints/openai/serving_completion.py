@@ -20,8 +20,8 @@ import msgspec
 
 from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
 from vllm import envs
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, sse, weight_spans,
-                                                    with_mask_texts)
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, prompt_logprobs_json, sse,
+                                                    weight_spans, with_mask_texts)
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import PromptType
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -126,19 +126,40 @@ class OpenAIServingCompletion(OpenAIServing):
         check_max_tokens(max_tokens, len(prompt["prompt_token_ids"]), self.max_model_len)
         return prompt
 
+    def _prompt_text(self, out: RequestOutput) -> str:
+        """The prompt's text for echo: as sent, or decoded from its token ids (vLLM)."""
+        if out.prompt is not None:
+            return out.prompt
+        if self.tokenizer is None or not out.prompt_token_ids:
+            return ""
+        return self.tokenizer.decode(list(out.prompt_token_ids), skip_special_tokens=False)
+
     def _choice(self, request: CompletionRequest, index: int, out: RequestOutput, c: CompletionOutput,
-                text_offset: int, prefix: str = "", first: bool = True, raw_mask: bool = False) -> dict[str, Any]:
+                text_offset: int, echo: bool = False, first: bool = True, raw_mask: bool = False) -> dict[str, Any]:
         """One choice with CompletionResponseChoice's fields, as a plain dict (streamed chunks skip pydantic).
 
+        echo: this (first) chunk of the choice starts with the prompt: its text, and with logprobs its tokens'
+        logprobs (None for the first one) before the generated ones; with echo and max_tokens 0 the prompt alone
+        (the generated token's text and logprobs dropped, as vLLM).
         raw_mask: the mask goes in as the engine's JSON text (msgspec.Raw) when it has it: for bodies encoded by
         msgspec, i.e. streamed chunks, and whole responses through with_mask_texts."""
         mask: Any = None
         if c.sampling_mask is not None:
             text = c.sampling_mask.json_text() if raw_mask else None
             mask = msgspec.Raw(text) if text is not None else c.sampling_mask.token_ids
+        text, lp_ids, lps = c.text, c.token_ids, c.logprobs
+        if request.echo_without_generation:
+            text, lp_ids, lps = "", [], []
+        if echo:
+            prompt_ids = list(out.prompt_token_ids or [])
+            prompt_lps = list(out.prompt_logprobs) if out.prompt_logprobs is not None else [None] * len(prompt_ids)
+            text = self._prompt_text(out) + text
+            lp_ids = prompt_ids + list(lp_ids)
+            lps = prompt_lps + list(lps or [])
         choice = {
-            "index": index, "text": prefix + c.text,
-            "logprobs": (self.completion_logprobs(c.token_ids, c.logprobs, request.logprobs or 0, text_offset)
+            "index": index, "text": text,
+            "logprobs": (self.completion_logprobs(lp_ids, lps, request.logprobs or 0, text_offset,
+                                                  self.tokens_as_ids(request.return_tokens_as_token_ids))
                          if request.logprobs is not None else None),
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             "token_ids": list(c.token_ids) if request.return_token_ids else None,
@@ -147,6 +168,8 @@ class OpenAIServingCompletion(OpenAIServing):
         }
         if c.weight_versions:  # NOTE: the key only once the engine's weights were named
             choice["weight_versions"] = weight_spans(c)
+        if first and out.prompt_logprobs is not None:  # NOTE: the key only when asked (or implied by echo)
+            choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
         return choice
 
     @staticmethod
@@ -172,9 +195,8 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = UsageInfo()
         for i in range(len(gens)):
             out = finals[i]
-            echo = (out.prompt or "") if request.echo else ""
             for c in sorted(out.outputs, key=lambda c: c.index):
-                choice = self._choice(request, i * request.n + c.index, out, c, len(echo), echo, raw_mask=True)
+                choice = self._choice(request, i * request.n + c.index, out, c, 0, request.echo, raw_mask=True)
                 mask = choice["sampling_mask"]
                 # NOTE: a mask as the engine's JSON text skips pydantic (with_mask_texts puts it back in the body).
                 texts.append(mask if isinstance(mask, msgspec.Raw) else None)
@@ -194,6 +216,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # NOTE: plain ints, not a UsageInfo (a pydantic model's __setattr__ on every chunk).
         prompt_tokens = completion_tokens = 0
         prompt_counted = [False] * len(gens)
+        prompt_logprobs: list[Any] = [None] * len(gens)
         started = [False] * num_choices
         # NOTE: one stream (a single prompt) is read directly: merge_streams would add an async generator step per
         # chunk for nothing; its close on the way out is done here.
@@ -206,19 +229,27 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not prompt_counted[i]:
                     prompt_counted[i] = True
                     prompt_tokens += len(out.prompt_token_ids or [])
+                # NOTE: a DELTA output carries the prompt logprobs once; with n > 1 a sample's first chunk may
+                # come later, and echo needs them there.
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
+                elif echo and prompt_logprobs[i] is not None:
+                    out.prompt_logprobs = prompt_logprobs[i]
                 for c in out.outputs:
                     index = i * n + c.index
                     first = not started[index]
                     started[index] = True
-                    prefix = (out.prompt or "") if first and echo else ""
-                    text_offset = offsets[index]
-                    offsets[index] += len(prefix) + len(c.text)
                     completion_tokens += len(c.token_ids)
+                    if request.echo_without_generation and not first:
+                        continue  # the prompt alone was the answer
                     # NOTE: no local keeps the choice while the stream waits for its next output: its mask text
                     # (a ~3.4 KB copy per token) would stay alive in every waiting stream, and each new chunk be
                     # built in memory that is no longer in cache.
-                    yield sse(self._chunk(base_id, created, model, [
-                        self._choice(request, index, out, c, text_offset, prefix, first, raw_mask=True)]))
+                    choice = self._choice(request, index, out, c, offsets[index], first and echo, first,
+                                          raw_mask=True)
+                    offsets[index] += len(choice["text"])
+                    yield sse(self._chunk(base_id, created, model, [choice]))
+                    del choice
         finally:
             if single:
                 gens[0].close()

@@ -10,6 +10,7 @@ they are tokenized, and long ones are tokenized in the preprocess pool (request_
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -109,6 +110,8 @@ class OpenAIServing:
         self.preprocess = preprocess if preprocess is not None else PreprocessPool()
         # The generation config's sampling defaults (ModelConfig.get_diff_sampling_param), set by build_app.
         self.default_sampling_params: dict[str, Any] = {}
+        # --return-tokens-as-token-ids: logprobs name tokens "token_id:{id}" unless a request says otherwise.
+        self.return_tokens_as_token_ids = False
 
     def with_defaults(self, request: Any) -> Any:
         """`request` with the generation config's defaults (vllm/config/generation_config.py) in the sampling fields
@@ -124,6 +127,10 @@ class OpenAIServing:
             asked = getattr(request, field)
             update[field] = defaults["max_tokens"] if asked is None else min(asked, defaults["max_tokens"])
         return request.model_copy(update=update)
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """A request's `return_tokens_as_token_ids`, the server's flag where it leaves it unset (vLLM)."""
+        return self.return_tokens_as_token_ids if requested is None else requested
 
     async def encode(self, text: str, add_special_tokens: bool, parameter: str) -> list[int]:
         """`text` as token ids, refused first if its characters cannot fit the context; a long text is tokenized
@@ -142,7 +149,9 @@ class OpenAIServing:
             raise NotFoundError(f"The model `{requested}` does not exist.")
         return requested
 
-    def token_str(self, token_id: int, logprob: Logprob | None) -> str:
+    def token_str(self, token_id: int, logprob: Logprob | None, as_ids: bool = False) -> str:
+        if as_ids:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         if self.tokenizer is not None:
@@ -162,9 +171,10 @@ class OpenAIServing:
             top.sort(key=_rank_of)
         return top[:num] if len(top) > num else top
 
-    def completion_logprobs(self, token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None,
-                            num: int, initial_offset: int) -> dict[str, list] | None:
-        """A completion choice's `logprobs` (CompletionLogProbs's fields) as a plain dict, cheap to encode."""
+    def completion_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob] | None] | None,
+                            num: int, initial_offset: int, as_ids: bool = False) -> dict[str, list] | None:
+        """A completion choice's `logprobs` (CompletionLogProbs's fields) as a plain dict, cheap to encode. A None
+        position (the first prompt token, echoed) has no logprob and no top logprobs (OpenAI's echo)."""
         if logprobs is None:
             return None
         text_offset: list[int] = []
@@ -172,9 +182,17 @@ class OpenAIServing:
         tokens: list[str] = []
         top_logprobs: list[dict[str, float] | None] = []
         offset = initial_offset
-        token_str = self.token_str
+        token_str = functools.partial(self.token_str, as_ids=as_ids) if as_ids else self.token_str
         # NOTE: `-9999.0 if v < -9999.0 else v` is max(v, -9999.0) (NaN kept) without a builtin call per entry.
         for token_id, entries in zip(token_ids, logprobs):
+            if entries is None:
+                token = token_str(token_id, None)
+                tokens.append(token)
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                text_offset.append(offset)
+                offset += len(token)
+                continue
             sampled = entries.get(token_id)
             token = token_str(token_id, sampled)
             tokens.append(token)
@@ -196,20 +214,32 @@ class OpenAIServing:
                 "top_logprobs": top_logprobs}
 
     def chat_logprobs(self, token_ids: Sequence[int], logprobs: list[dict[int, Logprob]] | None,
-                      num: int) -> ChatCompletionLogProbs | None:
+                      num: int, as_ids: bool = False) -> ChatCompletionLogProbs | None:
         if logprobs is None:
             return None
         content: list[ChatCompletionLogProbsContent] = []
         for token_id, entries in zip(token_ids, logprobs):
             sampled = entries.get(token_id)
-            token = self.token_str(token_id, sampled)
-            top = [ChatCompletionLogProb(token=(s := self.token_str(t, lp)), logprob=max(lp.logprob, -9999.0),
+            token = self.token_str(token_id, sampled, as_ids)
+            top = [ChatCompletionLogProb(token=(s := self.token_str(t, lp, as_ids)), logprob=max(lp.logprob, -9999.0),
                                          bytes=list(s.encode("utf-8", errors="replace")))
                    for t, lp in self._top(entries, num)]
             content.append(ChatCompletionLogProbsContent(
                 token=token, logprob=max(sampled.logprob, -9999.0) if sampled is not None else -9999.0,
                 bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
+
+
+def prompt_logprobs_json(prompt_logprobs: Sequence[dict[int, Logprob] | None] | None
+                         ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` in a response: None for the first prompt token, then per prompt token
+    {str(token id): {logprob, rank, decoded_token}}, a -inf logprob as -9999.0 (vLLM's clamp_prompt_logprobs)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entries is None else
+            {str(t): {"logprob": -9999.0 if lp.logprob == float("-inf") else lp.logprob, "rank": lp.rank,
+                      "decoded_token": lp.decoded_token} for t, lp in entries.items()}
+            for entries in prompt_logprobs]
 
 
 def _rank_of(entry: tuple[int, Logprob]) -> int:

@@ -2,6 +2,8 @@
 
 Request `{request_id?, token_ids, sampling_params: {...}, model?, stream?}`; response `{request_id, choices:
 [{index, token_ids, logprobs, finish_reason, sampling_mask}], prompt_logprobs}`. Logprobs use the chat format;
+`prompt_logprobs` (sampling_params.prompt_logprobs) is vLLM's: None for the first prompt token, then
+{str(token id): {logprob, rank, decoded_token}} per prompt token (in the first streamed chunk that has them);
 `sampling_mask[i]` is the ascending support of `token_ids[i]` (per chunk when streaming). `sampling_params.n`
 gives n choices (index j = sample j); a streamed chunk holds the choices with new tokens in that step.
 """
@@ -12,8 +14,8 @@ from collections.abc import AsyncGenerator
 
 from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
                                               GenerateStreamResponse, UsageInfo)
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts, sse,
-                                                    weight_spans, with_mask_texts)
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts,
+                                                    prompt_logprobs_json, sse, weight_spans, with_mask_texts)
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import OutputStream
@@ -55,11 +57,12 @@ class OpenAIServingGenerate(OpenAIServing):
         outputs = sorted(final.outputs, key=lambda c: c.index)
         texts = mask_texts(outputs)
         choices = [self._choice(c, num_logprobs, with_mask=text is None) for c, text in zip(outputs, texts)]
-        return with_mask_texts(GenerateResponse(request_id=request.request_id, choices=choices, usage=usage), texts)
+        return with_mask_texts(GenerateResponse(request_id=request.request_id, choices=choices, usage=usage,
+                                                prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs)), texts)
 
     async def _stream(self, request: GenerateRequest, gen: OutputStream,
                       num_logprobs: int) -> AsyncGenerator[bytes, None]:
         async for out in gen:
-            yield sse(GenerateStreamResponse(request_id=request.request_id,
-                                             choices=self._choices(out, num_logprobs)))
+            yield sse(GenerateStreamResponse(request_id=request.request_id, choices=self._choices(out, num_logprobs),
+                                             prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)))
         yield SSE_DONE

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from vllm.sampling_params import SamplingParams
 
@@ -36,6 +37,20 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """A request's prompt logprobs (SamplingParams.prompt_logprobs), sent once, with the output of the step that
+    computed the last prompt chunk. Row p is prompt token p + 1 (the first prompt token has none): column 0 the
+    prompt token itself, then the top k of the raw (unprocessed) log-softmax over the vocabulary."""
+
+    # [num_prompt_tokens - 1, k + 1] int32
+    token_ids: np.ndarray
+    # [num_prompt_tokens - 1, k + 1] float32
+    logprobs: np.ndarray
+    # [num_prompt_tokens - 1] int32: the prompt token's rank (1 + the number of tokens with a larger logprob,
+    # ties counted as larger, as vLLM).
+    ranks: np.ndarray
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     request_id: str
     new_token_ids: list[int]
@@ -48,6 +63,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # SamplingMaskText slice (the same masks as JSON text) when the API server asked for it, or None.
     new_sampling_mask_text: Any = None
+    # The request's whole prompt logprobs, on the output of its first sampling step; None otherwise.
+    new_prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

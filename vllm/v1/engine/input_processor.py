@@ -133,6 +133,13 @@ class InputProcessor:
             raise VLLMValidationError(f"Requested logprobs={params.logprobs}, more than the maximum of "
                                       f"{max_logprobs}; ask for fewer or start the engine with a larger "
                                       "--max-logprobs.", parameter="logprobs", value=params.logprobs)
+        if params.prompt_logprobs is not None:
+            num = self.model_config.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+            if num > max_logprobs:
+                raise VLLMValidationError(f"Requested prompt_logprobs={params.prompt_logprobs} ({num} per position), "
+                                          f"more than the maximum of {max_logprobs}; ask for fewer or start the "
+                                          "engine with a larger --max-logprobs.", parameter="prompt_logprobs",
+                                          value=params.prompt_logprobs)
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise VLLMValidationError("Stop strings need detokenized text: drop 'stop', or set detokenize=True on "
                                       "an engine that loads its tokenizer (no skip_tokenizer_init); stop_token_ids "

@@ -14,6 +14,7 @@ from vllm.logprobs import FlatLogprobs
 from vllm.outputs import Logprob, SampleLogprobs
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
+from vllm.v1.engine import PromptLogprobs
 from vllm.v1.outputs import LogprobsLists
 
 
@@ -119,4 +120,29 @@ def _make_logprob_dict(token_ids: list[int], logprobs: list[float], decoded: lis
     out = {token_ids[0]: Logprob(logprobs[0], sampled_rank, decoded[0] if decoded is not None else None)}
     for k in range(1, len(token_ids)):
         out[token_ids[k]] = Logprob(logprobs[k], k, decoded[k] if decoded is not None else None)
+    return out
+
+
+def make_prompt_logprobs(plp: PromptLogprobs, tokenizer: Tokenizer | None,
+                         flat: bool) -> list[dict[int, Logprob] | None] | FlatLogprobs:
+    """vLLM's RequestOutput.prompt_logprobs from the engine's rows: None for the first prompt token, then per later
+    prompt token its dict (the prompt token with its vocabulary rank, then the top k with ranks 1..k; a prompt
+    token among the top k keeps its top-k entry, as for sample logprobs); a FlatLogprobs with `flat`."""
+    token_ids, logprobs, ranks = plp.token_ids, plp.logprobs, plp.ranks
+    if not isinstance(token_ids, list):
+        token_ids, logprobs, ranks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
+    out: list[dict[int, Logprob] | None] | FlatLogprobs = FlatLogprobs() if flat else []
+    out.append(None)
+    # NOTE: one batch decode for the whole prompt, not one per position.
+    all_decoded = tokenizer.decode_each([t for row in token_ids for t in row]) if tokenizer is not None else None
+    pos = 0
+    for row_ids, row_logprobs, rank in zip(token_ids, logprobs, ranks):
+        decoded = None
+        if all_decoded is not None:
+            decoded = all_decoded[pos:pos + len(row_ids)]
+            pos += len(row_ids)
+        if isinstance(out, FlatLogprobs):
+            out.append_position(row_ids, row_logprobs, [rank, *range(1, len(row_ids))], decoded)
+        else:
+            out.append(_make_logprob_dict(row_ids, row_logprobs, decoded, rank))
     return out

@@ -152,6 +152,8 @@ def merge_delta_outputs(into: RequestOutput, new: RequestOutput) -> None:
         old.finish_reason = c.finish_reason
         old.stop_reason = c.stop_reason
     into.outputs.sort(key=lambda c: c.index)
+    if into.prompt_logprobs is None:
+        into.prompt_logprobs = new.prompt_logprobs
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
     into.metrics = new.metrics

@@ -30,7 +30,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
-from vllm.v1.engine.logprobs import LogprobsProcessor
+from vllm.v1.engine.logprobs import LogprobsProcessor, make_prompt_logprobs
 from vllm.v1.engine.output_collector import OutputQueue, RequestOutputCollector
 from vllm.v1.engine.parallel_sampling import ParentRequest
 from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
@@ -94,6 +94,9 @@ class RequestState:
         # once the engine's weights were named (EngineCoreOutputs.weight_version), empty until then.
         self.weight_spans: list[list[Any]] = []
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
+        self.tokenizer = tokenizer if self.params.detokenize else None
+        # RequestOutput.prompt_logprobs once the engine core sent them (DELTA: until handed out once).
+        self.prompt_logprobs: Any = None
 
     def append_sampling_masks(self, new_mask: SamplingMaskLists | None, new_text: SamplingMaskText | None,
                               num_new: int, num_kept: int) -> None:
@@ -188,8 +191,17 @@ class RequestState:
             return None
         # NOTE: positional (request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished,
         # num_cached_tokens, metrics), as CompletionOutput above.
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, None, [completion],
+        prompt_logprobs = self.prompt_logprobs
+        if self.delta:
+            self.prompt_logprobs = None  # DELTA: sent with the first output after they arrive (vLLM)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, [completion],
                              finish_reason is not None, self.num_cached_tokens, self.stats)
+
+    def set_prompt_logprobs(self, plp: Any) -> None:
+        """The engine core's PromptLogprobs as vLLM's RequestOutput.prompt_logprobs (the parent's for a child)."""
+        self.prompt_logprobs = make_prompt_logprobs(plp, self.tokenizer, self.params.flat_logprobs)
+        if self.parent is not None:
+            self.parent.prompt_logprobs = self.prompt_logprobs
 
     def update_stats(self, num_new: int) -> None:
         if self.stats is None or num_new == 0:
@@ -313,6 +325,8 @@ class OutputProcessor:
             stop_reason = eco.stop_reason
             if eco.num_cached_tokens:
                 state.num_cached_tokens = eco.num_cached_tokens
+            if eco.new_prompt_logprobs is not None:
+                state.set_prompt_logprobs(eco.new_prompt_logprobs)
 
             # NOTE: the step's own list, not copied: nothing below changes it (the detokenizer, the collector and
             # the outputs copy what they keep).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Container, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -36,7 +36,8 @@ def child_request_id(index: int, parent_request_id: str) -> str:
 
 
 def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The parent's params with n=1 and, when the parent is seeded, seed + index.
+    """The parent's params with n=1 and, when the parent is seeded, seed + index; prompt logprobs (the same for
+    every child) are computed by child 0 only.
 
     NOTE: a copy, not `msgspec.structs.replace`, which validates every child again (half the cost of an n=16384
     fan-out); the parent's seed + n - 1 was checked to fit when the parent was validated."""
@@ -44,6 +45,8 @@ def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
     child.n = 1
     if params.seed is not None:
         child.seed = params.seed + index
+    if index > 0:
+        child.prompt_logprobs = None
     return child
 
 
@@ -69,6 +72,8 @@ class ParentRequest:
         # Streaming: this step's new outputs, by index (flushed by `take_request_output`).
         self.pending: dict[int, CompletionOutput] = {}
         self.num_cached_tokens = 0
+        # Child 0's prompt logprobs once they arrived (RequestState.set_prompt_logprobs); DELTA: until sent once.
+        self.prompt_logprobs: Any = None
         # Some children were never sent (see drop_unregistered): the final output may bring no new completion.
         self.dropped_children = False
 
@@ -116,11 +121,14 @@ class ParentRequest:
                 return None
             outputs = [self.pending[i] for i in sorted(self.pending)]
             self.pending = {}
+        prompt_logprobs = self.prompt_logprobs
+        if self.output_kind == RequestOutputKind.DELTA:
+            self.prompt_logprobs = None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,

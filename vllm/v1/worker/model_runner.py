@@ -61,6 +61,7 @@ from vllm.v1.worker.cudagraph import (CudaGraphManager, SamplerGraphs, resolve_c
                                       resolve_mixed_capture_sizes)
 from vllm.v1.worker.input_batch import InputBatch
 from vllm.v1.worker.input_prep import InputBuffers, StepInputs
+from vllm.v1.worker.prompt_logprobs import PromptLogprobsComputer, WithPromptLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class ModelRunner:
                                                mask_ids=mask_ids)
         # [num_reqs of the previous sampling step] int64, on the device
         self._prev_sampled: torch.Tensor | None = None
+        # The requests that asked for prompt logprobs, until their prompt is computed (prompt_logprobs.py).
+        self.prompt_logprobs = PromptLogprobsComputer(self.vocab_size, self.device)
 
     # ---- KV cache -------------------------------------------------------------------------------------------
 
@@ -251,9 +254,12 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
+            self.prompt_logprobs.remove(req_id)
         for new in so.scheduled_new_reqs:
             batch.remove_request(new.req_id)  # resumed after preemption: its old row is stale
             batch.add_request(new)
+            self.prompt_logprobs.add(new.req_id, new.sampling_params, new.prompt_token_ids,
+                                     len(new.output_token_ids))
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                     cached.num_computed_tokens):
@@ -320,8 +326,14 @@ class ModelRunner:
             out = self._with_text_group(self.sampler(logits, meta), meta)
         else:
             out = _narrow_output(out, num_reqs)
+        plp = None
+        if self.prompt_logprobs.requests:
+            plp = self.prompt_logprobs.compute(inputs.req_ids, self.input_batch.num_computed_tokens[inputs.rows],
+                                               inputs.num_scheduled, hidden, self.model.compute_logits)
         t2 = time.perf_counter()
         result = self._finish_step(inputs, out)
+        if plp is not None:
+            result = WithPromptLogprobs(result, plp)  # type: ignore[assignment]
         if timer is not None:
             timer.add("launch.prep", t1 - t0)
             timer.add("launch.model", t2 - t1)

@@ -367,6 +367,11 @@ class Scheduler:
         step_logprobs = step_masks = None
         mask_sizes: list[int] = []
         num_overflow_rows = 0
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        if prompt_logprobs:
+            # A request's prompt logprobs complete in the step where it first samples, which gives it an output.
+            for out in outputs:
+                out.new_prompt_logprobs = prompt_logprobs.get(out.request_id)
         if out_rows:
             step_logprobs, step_masks, mask_sizes, num_overflow_rows = self._step_rows(
                 model_runner_output, out_rows, out_nums, out_reqs)
