@@ -35,7 +35,8 @@ def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None, key: str = "o
 def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One result per arm (in the first round's order) from the arms' results of every round: each level's
     output throughput, TTFT and TPOT medians are medians over the rounds that have the level (its per-round
-    throughputs kept in `round_throughputs`), truncated if any round was, masks_ok if every round's was; an arm that failed in any round carries that round's error. An arm
+    throughputs kept in `round_throughputs`), truncated if any round was, masks_ok if every round's was; an arm
+    that failed in any round carries that round's error. An arm
     may be missing from some rounds (ab_sampling_mask.py --arm-rounds): its medians are over the rounds it ran, and
     the arms come in the order of their first appearance."""
     if len(rounds) == 1:

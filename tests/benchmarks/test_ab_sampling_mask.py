@@ -78,7 +78,7 @@ def test_one_server_is_primed_before_the_first_arm(monkeypatch, tmp_path) -> Non
 
     def fake_run_arm(args, arm, arm_deadline, log_suffix=""):  # noqa: ANN001, ANN202
         events.append(("arm", arm))
-        return {"arm": arm, "error": None, "levels": [], "step_timing": [], "gc": []}
+        return {"arm": arm, "error": None, "levels": []}
 
     monkeypatch.setattr(ab, "start_server", fake_start)
     monkeypatch.setattr(ab, "wait_healthy", lambda proc, url, timeout_s: None)

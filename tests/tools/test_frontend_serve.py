@@ -1,6 +1,6 @@
-"""tools/profiling/frontend_serve.py: the replay engine core's step outputs (checked against the ids it drew, parsed back
-from the JSON text), its device pacing, the py-spy stack summary on a hand-worked profile, and one short run of
-the whole harness: `vllm serve` with the replay core, the load generator, and the CPU read per process."""
+"""tools/profiling/frontend_serve.py: the replay engine core's step outputs (checked against the ids it drew,
+parsed back from the JSON text), its device pacing, the py-spy stack summary on a hand-worked profile, and one
+short run of the whole harness: `vllm serve` with the replay core, the load generator, and the CPU read per process."""
 
 from __future__ import annotations
 

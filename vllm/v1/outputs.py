@@ -264,7 +264,7 @@ def step_mask_stats(step_masks: StepMasks, top_k: np.ndarray) -> tuple[list[int]
 class PendingStepMasks(NamedTuple):
     """A step's StepMasks whose lists are not built yet (deferred by the engine core): the positions each output
     carries are known at the step's update, the lists are built by `resolve()` on the engine's main thread when
-    the step's outputs are sent or handed on, with the next step already running (EngineCoreOutputs.resolve_step_rows)."""
+    the step's outputs are sent or handed on, the next step already running (resolve_step_rows)."""
 
     # The runner's deferred masks (vllm/v1/worker/async_output.py: DeferredMasks): `build()` -> (lists, texts).
     masks: Any

@@ -70,7 +70,8 @@ def run_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tenso
 
 def test_select_matches_reference() -> None:
     """The select's kernels (the prefilter, with the radix kernel for the rows it flags) against the sort
-    reference: random rows at several temperatures, tie groups inside and past C, +-0.0 ties, NaN/+inf/-inf rows and the k bounds (also k > C)."""
+    reference: random rows at several temperatures, tie groups inside and past C, +-0.0 ties, NaN/+inf/-inf rows
+    and the k bounds (also k > C)."""
     logits = bf16_logits(4, 3001, 3001)
     temperature = torch.tensor([1.0, 0.7, 1.3, 0.31])
     top_k = torch.tensor([1, 50, 300, 17], dtype=torch.int32)
@@ -134,8 +135,8 @@ def test_select_full_vocabulary_on_gpu_matches_the_radix_kernel() -> None:
     args = (logits.cuda(), temperature.cuda(), top_k.cuda(), 2600)
     got = select_top_k_candidates(*args)
     row = TopKCandidates(torch.empty(num_reqs, 2600, dtype=torch.int32, device="cuda"),
-                         torch.empty(num_reqs, 2600, device="cuda"), torch.empty(num_reqs, dtype=torch.int32, device="cuda"),
-                         torch.empty(num_reqs, device="cuda"))
+                         torch.empty(num_reqs, 2600, device="cuda"),
+                         torch.empty(num_reqs, dtype=torch.int32, device="cuda"), torch.empty(num_reqs, device="cuda"))
     topk_select._run_row_kernel(*args[:3], *row, 1024)  # the radix kernel on every row
     check(got, reference(logits, temperature, top_k, 2600), check_kth=False)
     assert torch.equal(got.counts, row.counts)

@@ -176,7 +176,8 @@ def _disable_kernel() -> None:
 
 
 def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                            num_cand: int, use_triton: bool | None = None, block_size: int = _BLOCK_SIZE, prefilter_chunk: int = _PREFILTER_CHUNK,
+                            num_cand: int, use_triton: bool | None = None, block_size: int = _BLOCK_SIZE,
+                            prefilter_chunk: int = _PREFILTER_CHUNK,
                             prefilter_cap: int | None = None) -> TopKCandidates:
     """logits: [num_reqs, V] float (unit stride on V); temperature: [num_reqs] float32 (> 0); top_k:
     [num_reqs] int; num_cand: the buffer width C. use_triton (default: logits.is_cuda) runs the prefilter's
