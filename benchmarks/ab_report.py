@@ -1,100 +1,16 @@
-"""The sampling-mask A/B's reporting (benchmarks/ab_sampling_mask.py runs the arms): the engine core's
-step-timing windows and the GC pause windows read from each server's log, the arms of several rounds combined
-into per-level medians, the markdown table and the throughput plot.
+"""The sampling-mask A/B's reporting (benchmarks/ab_sampling_mask.py runs the arms): the arms of several rounds
+combined into per-level medians, the markdown table and the throughput plot.
 
 Reads only the result dicts that ab_sampling_mask.run_arm returns (an arm: name, error, levels as
-serving_metrics.summarize's, step_timing and gc windows) and the server logs; starts nothing.
+serving_metrics.summarize's); starts nothing.
 """
 
 from __future__ import annotations
 
-import re
 import statistics
 from typing import Any
 
 import serving_metrics
-
-
-_TIMING_RE = re.compile(r"Engine step timing: ([\d.]+) steps/s, (\d+) rows/step, ms/step: (.*?); host busy (\d+)%")
-
-
-def parse_step_timing(log_path: str) -> list[dict[str, float]]:
-    """The engine core's step-timing windows from a server log (VLLM_ENGINE_STEP_TIMING=1; none without it):
-    steps/s, rows/step, host busy % and ms per step of each phase."""
-    windows = []
-    try:
-        with open(log_path, errors="replace") as f:
-            for line in f:
-                m = _TIMING_RE.search(line)
-                if m is None:
-                    continue
-                window = {"steps_per_s": float(m.group(1)), "rows": float(m.group(2)),
-                          "host_busy_pct": float(m.group(4))}
-                parts = m.group(3).split()
-                window.update({name: float(value) for name, value in zip(parts[::2], parts[1::2])})
-                windows.append(window)
-    except OSError:
-        pass
-    return windows
-
-
-_GC_RE = re.compile(r"(API server \d+|Engine core) GC: .*?; paused ([\d.]+)% of ([\d.]+) s, longest ([\d.]+) ms")
-
-
-def parse_gc_pauses(log_path: str) -> list[dict[str, Any]]:
-    """The garbage-collection windows that the API servers and the engine core log with
-    VLLM_ENGINE_STEP_TIMING=1 (vllm/v1/metrics/gc_timing.py): who, % of the window paused, the window's length
-    (s) and its longest pause (ms)."""
-    windows = []
-    try:
-        with open(log_path, errors="replace") as f:
-            for line in f:
-                m = _GC_RE.search(line)
-                if m is not None:
-                    windows.append({"who": m.group(1), "paused_pct": float(m.group(2)),
-                                    "window_s": float(m.group(3)), "longest_ms": float(m.group(4))})
-    except OSError:
-        pass
-    return windows
-
-
-def _gc_cells(windows: list[dict[str, Any]], engine: bool) -> str:
-    """'max % (longest ms)' of the API servers' or the engine core's GC windows, '-' without any."""
-    mine = [w for w in windows if (w["who"] == "Engine core") == engine]
-    if not mine:
-        return "-"
-    return f"{max(w['paused_pct'] for w in mine):.1f}% ({max(w['longest_ms'] for w in mine):.0f} ms)"
-
-
-def _busiest(arm: dict[str, Any]) -> dict[str, float] | None:
-    """The arm's step-timing window with the most rows per step (steady decode at the top concurrency)."""
-    windows = [w for w in arm.get("step_timing") or [] if w["steps_per_s"] > 0]
-    return max(windows, key=lambda w: (w["rows"], w["steps_per_s"])) if windows else None
-
-
-# The engine core's host phases of a step (main thread), summed into `host` by `steady_windows`.
-_HOST_PHASES = ("inputs", "schedule", "launch", "update", "send")
-# steady_windows' columns: means over an arm's full-batch windows.
-_STEADY_KEYS = ("steps_per_s", "host", "launch", "update", "send", "out.lists", "dev.step", "dev.gap")
-
-
-def steady_windows(arm: dict[str, Any], concurrency: int) -> dict[str, float] | None:
-    """Means over the arm's step-timing windows of steady decode at `concurrency` streams (0.96-1.0 x
-    `concurrency` rows per step: every stream decoding, few prefills) of steps/s, the main thread's host ms per
-    step (`host`: inputs + schedule + launch + update + send) and its phases, the output thread's lists and the
-    device phases, with `windows` their count; None without such windows. Compares trees or settings by their
-    host work per step, which moves less between rounds than tokens/s."""
-    windows = [w for w in arm.get("step_timing") or []
-               if 0.96 * concurrency <= w["rows"] <= concurrency and w["steps_per_s"] > 0]
-    if not windows:
-        return None
-    out: dict[str, float] = {"windows": float(len(windows))}
-    for key in _STEADY_KEYS:
-        values = [sum(w.get(k, 0.0) for k in _HOST_PHASES) if key == "host" else w[key]
-                  for w in windows if key == "host" or key in w]
-        if values:
-            out[key] = statistics.fmean(values)
-    return out
 
 
 def _level(arm: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
@@ -119,8 +35,8 @@ def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None, key: str = "o
 def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One result per arm (in the first round's order) from the arms' results of every round: each level's
     output throughput, TTFT and TPOT medians are medians over the rounds that have the level (its per-round
-    throughputs kept in `round_throughputs`), truncated if any round was, masks_ok if every round's was; the
-    step-timing windows of all rounds together; an arm that failed in any round carries that round's error. An arm
+    throughputs kept in `round_throughputs`), truncated if any round was, masks_ok if every round's was; an arm
+    that failed in any round carries that round's error. An arm
     may be missing from some rounds (ab_sampling_mask.py --arm-rounds): its medians are over the rounds it ran, and
     the arms come in the order of their first appearance."""
     if len(rounds) == 1:
@@ -148,8 +64,6 @@ def combine_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             levels.append(merged)
         errors = [a["error"] for a in runs if a["error"]]
         combined.append({"arm": first["arm"], "error": errors[0] if errors else None, "levels": levels,
-                         "step_timing": [w for a in runs for w in a.get("step_timing") or []],
-                         "gc": [w for a in runs for w in a.get("gc") or []],
                          "server_logs": [a["server_log"] for a in runs],
                          "host_loop_ms": [a.get("host_loop_ms") for a in runs]})
     return combined
@@ -226,39 +140,6 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
             medians = " ".join(f"{statistics.median(v):.3f}" if v else "-" for v in paired.values())
             lines.append(f"- c={c}: " + ", ".join(per_round) + f" [{medians}]")
     lines += _host_speed_lines(rounds if rounds is not None and len(rounds) > 1 else [arms])
-    busiest = [(a["arm"], _busiest(a)) for a in arms]
-    if any(w is not None for _, w in busiest):
-        lines += ["", "Engine step timing (VLLM_ENGINE_STEP_TIMING), each arm's window with the most rows per step, "
-                      "ms per step:", "",
-                  "| arm | rows | steps/s | schedule | launch | of it, mask copy | wait | update | send "
-                  "| lists (output thread) | device step | device idle | host busy |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for name, w in busiest:
-            if w is not None:
-                lines.append(f"| {name} | {w['rows']:.0f} | {w['steps_per_s']:.1f} | "
-                             + " | ".join(f"{w[k]:.2f}" if k in w else "-"
-                                          for k in ("schedule", "launch", "launch.mask", "wait", "update", "send",
-                                                    "out.lists", "dev.step", "dev.gap"))
-                             + f" | {w['host_busy_pct']:.0f}% |")
-    steady = [(a["arm"], c, steady_windows(a, c)) for c in concurrencies for a in arms]
-    if any(w is not None for _, _, w in steady):
-        lines += ["", "Engine step timing in steady decode (windows of 0.96-1.0 x the streams in rows per step; means "
-                      "over them, all rounds), ms per step; host = the main thread's inputs + schedule + launch + "
-                      "update + send:", "",
-                  "| streams | arm | windows | steps/s | host | launch | update | send | lists (output thread) "
-                  "| device step | device idle |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for name, c, w in steady:
-            if w is not None:
-                lines.append(f"| {c} | {name} | {w['windows']:.0f} | {w['steps_per_s']:.1f} | "
-                             + " | ".join(f"{w[k]:.2f}" if k in w else "-" for k in _STEADY_KEYS[1:]) + " |")
-    if any(a.get("gc") for a in arms):
-        lines += ["", "Garbage collection (VLLM_ENGINE_STEP_TIMING): the largest share of a log window paused, and "
-                      "the longest single pause, over the arm's windows:", "",
-                  "| arm | API servers | engine core |", "|---|---:|---:|"]
-        for a in arms:
-            windows = a.get("gc") or []
-            if windows:
-                lines.append(f"| {a['arm']} | {_gc_cells(windows, False)} | {_gc_cells(windows, True)} |")
     for a in arms:
         if a["error"]:
             lines.append(f"\n{a['arm']} failed: {a['error']}")

@@ -1,14 +1,15 @@
-"""Serving A/B of the sampling mask: "no mask", "mask" and "pre-change mask path" side by side in one run.
+"""Serving A/B of the sampling mask: "no mask" and "mask" side by side in one run.
 
 For each arm, starts `vllm serve MODEL --load-format dummy --skip-tokenizer-init --max-num-seqs 1024
---logprobs-mode processed_logprobs --api-server-count 4 [--return-sampling-mask]` on a free port (arm
-pre-change: the mask with VLLM_SAMPLING_MASK_LEGACY_PATH=1), waits for /health, runs
-benchmarks/benchmark_serving.py's load at each concurrency, and stops the server. Writes
-ab_sampling_mask.{json,md,png} and server_<arm>.log into --out-dir; with VLLM_ENGINE_STEP_TIMING=1 the engine
-core's step-timing windows go into the JSON, and each arm's busiest window into the markdown.
+--logprobs-mode processed_logprobs --api-server-count 4 [--return-sampling-mask]` on a free port, waits for
+/health, runs benchmarks/benchmark_serving.py's load at each concurrency, and stops the server. Writes
+ab_sampling_mask.{json,md,png} and server_<arm>.log into --out-dir.
 
 An arm is one of ARMS, optionally with extra environment variables for its server: `mask+VLLM_X=1` (several
-`+NAME=VALUE` allowed; names must start with VLLM_), to compare settings of one arm side by side in one run.
+`+NAME=VALUE` allowed; names must be variables of vllm/envs.py, e.g. VLLM_ATTENTION_BACKEND), to compare
+settings of one arm side by side in one run. (The pre-change mask path is no serving arm any more: it has no
+switch; its kernel cost is in benchmarks/kernels/benchmark_sampling_mask.py, its last serving numbers in
+docs/benchmarks.md.)
 
 One command on the GPU machine (the server stack's wheels in /tmp/site):
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/ab_sampling_mask.py --out-dir out/ab
@@ -18,17 +19,15 @@ Invariants:
 - The server's whole process group (API server and engine core) is gone before the next arm starts.
 - --budget-s bounds the whole run: each arm gets an equal share of the time left when it starts, spread over
   its levels through benchmark_serving's --level-timeout (a level cut short still reports tokens/s so far).
-  `--arm-level-timeout ARM=S` caps one arm's levels at S seconds instead (e.g. the pre-change arm, whose
-  levels never finish: its flat throughput shows in a few seconds); the time it leaves goes to the arms after it.
+  `--arm-level-timeout ARM=S` caps one arm's levels at S seconds instead; the time it leaves goes to the arms
+  after it.
 - With --rounds N every arm runs N times, the arm order reversed every other round (A B, B A, ...: drift of the
   machine falls on both sides); the table shows each level's median over the rounds and the ratios of those
   medians, then every round's own ratios (arms of one round ran minutes apart, rounds further apart).
-  `--arm-rounds ARM=N` runs ARM in the last N rounds only (e.g. the pre-change arm once, so that the time goes
-  to more rounds of the arms whose ratio is measured; last, so that an arm that leaves the machine slower comes
-  after the others' rounds); its medians are over those rounds. Not for no-mask, the ratios' baseline.
-  `--lead-arm ARM` runs ARM first in every round and alternates the others after it (C A B, C B A): an arm that
-  leaves the machine slower for the next one (the pre-change arm did, on 2026-12-03) then precedes each of them
-  once, where the plain reversal (A B C, C B A) puts it before B only.
+  `--arm-rounds ARM=N` runs ARM in the last N rounds only (an arm that is not the ratio's subject, so that the
+  time goes to more rounds of the arms whose ratio is measured); its medians are over those rounds. Not for
+  no-mask, the ratios' baseline. `--lead-arm ARM` runs ARM first in every round and alternates the others after
+  it (C A B, C B A): an arm that leaves the machine slower for the next one then precedes each of them once.
 - Before each arm's server starts, the host's single-thread Python speed is timed (`host_loop_ms`, ~0.2-0.4 s):
   the report lists it per round, so that a round on a slower host reads as such.
 - Before the first arm, one server of that arm is started and stopped (`prime_start`, counted in --budget-s; off
@@ -56,14 +55,11 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark_serving  # noqa: E402
-from ab_report import combine_rounds, markdown, parse_gc_pauses, parse_step_timing, plot  # noqa: E402
+from ab_report import combine_rounds, markdown, plot  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {}),
-        "pre-change": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"}),
-        # Optional fourth arm: the mask without its JSON text formatted on the device (the API server formats the ids).
-        "mask-ids": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "0"})}
-DEFAULT_ARMS = ["no-mask", "mask", "pre-change"]
+ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {})}
+DEFAULT_ARMS = ["no-mask", "mask"]
 
 # NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.
 STARTUP_ESTIMATE_S = 60.0
@@ -165,8 +161,6 @@ def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -
     for name in {n for a in [*ARMS, *args.arms] for n in arm_spec(a)[1]}:
         env.pop(name, None)
     env.update(env_extra)
-    if args.cprofile_dir:
-        env["VLLM_CPROFILE_DIR"] = os.path.join(os.path.abspath(args.cprofile_dir), arm_file_name(arm))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     log(f"{arm}: " + shlex.join([f"{k}={v}" for k, v in env_extra.items()] + ["python3", *cmd[1:]]))
@@ -245,8 +239,6 @@ def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix:
     finally:
         stop_server(proc)
         log(f"{arm}: server stopped ({time.monotonic() - t0:.0f}s for the arm)")
-        result["step_timing"] = parse_step_timing(log_path)
-        result["gc"] = parse_gc_pauses(log_path)
     return result
 
 
@@ -290,7 +282,7 @@ def make_parser() -> argparse.ArgumentParser:
                              "processes, so that one Python frontend is not what the A/B measures.")
     parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, type=_arm_arg,
                         help=f"Arms: {', '.join(ARMS)}, each optionally with +VLLM_NAME=VALUE (extra server "
-                             "environment), e.g. mask+VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS=0.5.")
+                             "environment), e.g. mask+VLLM_ATTENTION_BACKEND=TORCH.")
     parser.add_argument("--concurrencies", type=int, nargs="+", default=[64, 256, 512, 1024])
     parser.add_argument("--num-prompts-per-concurrency", type=float, default=1.0)
     parser.add_argument("--min-num-prompts", type=int, default=128)
@@ -325,8 +317,6 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="Do not start and stop one server before the first arm (module docstring).")
     parser.add_argument("--out-dir", default="out/ab")
-    parser.add_argument("--cprofile-dir", default=None,
-                        help="Profile each arm's server processes with cProfile into DIR/<arm> (slows them down).")
     return parser
 
 

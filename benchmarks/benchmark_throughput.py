@@ -8,8 +8,7 @@ Example (the GPU issue's shape, dummy weights):
 
 With `--return-sampling-mask` (and `--logprobs-mode processed_logprobs`) every request gets its masks, and the
 run checks that each output token came with one mask of at least one id (`masks` column: ok, or how many
-requests were off). With VLLM_ENGINE_STEP_TIMING=1 and the engine core in this process, each level's step timing
-(vllm/v1/metrics/step_timing.py: ms per step of each phase, `mask.copied`) is printed after the table.
+requests were off).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from vllm import LLM, RequestOutput, RequestOutputKind, SamplingParams, envs
+from vllm import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
 
@@ -48,23 +47,13 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             logprobs=args.logprobs, max_tokens=args.output_len, ignore_eos=True,
                             flat_logprobs=args.flat_logprobs)
-    timings: list[str] = []
     if args.async_engine:
         generate, vocab, close = async_generate(engine_args, params)
     else:
         llm = LLM(**{k: v for k, v in vars(engine_args).items()})
         vocab = llm.llm_engine.vllm_config.model_config.vocab_size
 
-        # NOTE: with VLLM_ENGINE_STEP_TIMING=1 and the engine core in this process (which logs no timing of its
-        # own), each level's step timing is printed after its row ("step timing, N requests: ...").
-        timer = getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "step_timer", None)
-
         def generate(batch: list[dict]) -> list[RequestOutput]:
-            if timer is not None and envs.VLLM_ENGINE_STEP_TIMING:
-                timer.report()  # a fresh window
-                outs = llm.generate(batch, params, use_tqdm=False)
-                timings.append(f"step timing, {len(batch)} requests: {timer.report()}")
-                return outs
             return llm.generate(batch, params, use_tqdm=False)
 
         def close() -> None:
@@ -84,8 +73,6 @@ def main() -> None:
         masks = "-" if r["masks_bad"] is None else ("ok" if r["masks_bad"] == 0 else f"{r['masks_bad']} bad")
         print(f"| {r['num_prompts']} | {r['elapsed_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
               f"{r['requests_per_s']:.2f} | {masks} |")
-    for line in timings[1:]:  # not the warm-up's
-        print(line)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

@@ -8,7 +8,8 @@ import os
 import re
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MARKDOWN = sorted(p for pattern in ("*.md", "docs/*.md", "benchmarks/*.md", "tools/*.md", "examples/*.md")
+MARKDOWN = sorted(p for pattern in ("*.md", "docs/*.md", "benchmarks/*.md", "tools/*.md", "tools/*/*.md",
+                                     "examples/*.md")
                   for p in glob.glob(os.path.join(REPO_ROOT, pattern)))
 # An absolute path into a machine's home or work folders; /models/... and /tmp/... in examples are placeholders.
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|root|Users)/[\w.-]+")

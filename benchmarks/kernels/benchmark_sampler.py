@@ -27,7 +27,6 @@ import json
 import torch
 
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.sample.ops import topk_select
 from vllm.v1.sample.sampler import Sampler
 
 VOCAB_SIZE = 151936
@@ -60,13 +59,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--select-impls", nargs="+", default=["topk", "row"],
-                        help="top-k select implementations of the fast path to time (ops/topk_select.py)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_sampler.py needs a CUDA device")
     device = torch.device("cuda")
-    parser_impls = args.select_impls
     fast, general = Sampler("processed_logprobs"), Sampler("processed_logprobs", use_fast_path=False)
     rows = []
     for num_reqs in NUM_REQS:
@@ -75,10 +71,7 @@ def main() -> None:
         row = {"num_reqs": num_reqs,
                "read_ms": time_ms(lambda: logits.amax(dim=-1), args.iters),
                "topk513_ms": time_ms(lambda: logits.topk(513, dim=-1), args.iters)}
-        arms = [(f"fast-{impl}", fast, impl) for impl in parser_impls] + [("general", general, None)]
-        for name, sampler, impl in arms:
-            if impl is not None:
-                topk_select.DEFAULT_CUDA_IMPL = impl
+        for name, sampler in (("fast", fast), ("general", general)):
             for mask in (False, True):
                 md = make_metadata(num_reqs, mask, device)
 

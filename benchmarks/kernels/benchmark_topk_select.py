@@ -1,7 +1,7 @@
-"""Device time of the top-k candidate select: torch.topk + a counting read ("topk"), the radix kernel ("row")
-and the chunk-maximum prefilter ("prefilter"; "prefilter_v1" is its first version, kept here for comparison:
-torch.topk over the chunk maxima, a gather of 1024-id programs through a per-row atomic counter, torch.topk and a
-sort over the buffer).
+"""Device time of the sampler's top-k candidate select (the chunk-maximum prefilter, ops/topk_select.py) against
+its references: one read of the logits, torch.topk(k + 1) and the radix kernel on every row ("row", the
+prefilter's last resort and the test reference's kernel). The retired alternatives ("topk": torch.topk over C
+columns + a counting read; the first prefilter with atomics) are measured in docs/benchmarks.md and in git history.
 
 Setting (benchmark_sampler.py's): V=151936, top_k=512 for every row, temperature 1, logits = randn * 3
 rounded through bf16 (held as float32, or as bf16 with --dtype bfloat16), C = 640 (fast_path.num_candidates
@@ -14,7 +14,7 @@ selects it (the last resort's cost). "prefilter_allovf": every row's first 2 * c
 (every row overflows and is selected in its row program: the worst case short of ties).
 
 Each entry is the mean time of one CUDA-graph replay over --iters replays (no launch overhead). Before timing,
-"topk", "prefilter" and "prefilter_v1" (both inputs) are checked to give the row kernel's outputs.
+the prefilter is checked to give the row kernel's outputs on every input.
 
 On a machine without CUDA it runs a smoke test under TRITON_INTERPRET on tiny shapes (wall-clock times of the
 interpreter, meaningless as performance).
@@ -35,10 +35,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from vllm.v1.sample.ops import topk_prefilter, topk_select  # noqa: E402
+from vllm.v1.sample.ops import topk_select  # noqa: E402
 from vllm.v1.sample.ops.topk_select import TopKCandidates, select_top_k_candidates  # noqa: E402
 
 VOCAB_SIZE = 151936
@@ -76,76 +73,6 @@ def time_wall_ms(fn: Callable[[], object], iters: int) -> float:
     return (time.perf_counter() - begin) * 1e3 / iters
 
 
-@triton.jit
-def _gather_above_kernel(
-    logits_ptr,  # [num_reqs, V] float
-    logits_stride,
-    temperature_ptr,  # [num_reqs] float32
-    t0_ptr,  # [num_reqs] float32
-    num_above_ptr,  # [num_reqs] int32, zeroed
-    buf_ids_ptr,  # [num_reqs, cap] int32
-    buf_values_ptr,  # [num_reqs, cap] float32
-    vocab_size,
-    cap,
-    BLOCK_SIZE: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    valid = offs < vocab_size
-    x = tl.load(logits_ptr + row * logits_stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    z = tl.math.div_rn(x, tl.load(temperature_ptr + row))
-    keep = valid & (z >= tl.load(t0_ptr + row)) & (z > float("-inf"))
-    flags = keep.to(tl.int32)
-    # NOTE: one atomic per 1024 ids reserves the program's slots (arbitrary order; the sort below fixes it).
-    base = tl.atomic_add(num_above_ptr + row, tl.sum(flags, axis=0), sem="relaxed")
-    slots = base + tl.cumsum(flags, axis=0) - flags
-    held = keep & (slots < cap)
-    tl.store(buf_ids_ptr + row * cap + slots, offs, mask=held)
-    tl.store(buf_values_ptr + row * cap + slots, z, mask=held)
-
-
-def select_prefilter_v1(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
-                        block_size: int, chunk: int, cap: int) -> TopKCandidates:
-    """The first prefilter (temperature float32, top_k int32, both contiguous): the same outputs as "prefilter"."""
-    num_reqs, vocab_size = logits.shape
-    device = logits.device
-    ids = torch.empty((num_reqs, num_cand), dtype=torch.int32, device=device)  # [num_reqs, C]
-    values = torch.empty((num_reqs, num_cand), dtype=torch.float32, device=device)  # [num_reqs, C]
-    counts = torch.empty((num_reqs,), dtype=torch.int32, device=device)  # [num_reqs]
-    kth = torch.empty((num_reqs,), dtype=torch.float32, device=device)  # [num_reqs]
-    num_chunks = triton.cdiv(vocab_size, chunk)
-    grid = (num_reqs, triton.cdiv(vocab_size, block_size))
-    chunk_max = torch.empty((num_reqs, num_chunks), dtype=torch.float32, device=device)  # [num_reqs, NCH]
-    topk_prefilter._chunk_max_kernel[grid](logits, logits.stride(0), temperature, chunk_max, vocab_size,
-                                           num_chunks, BLOCK_SIZE=block_size, CHUNK=chunk)
-    k = top_k.to(torch.long).clamp(1, vocab_size)  # [num_reqs]
-    width = min(num_cand, num_chunks)
-    t0 = chunk_max.topk(width, dim=-1).values.gather(1, (k[:, None] - 1).clamp(max=width - 1))[:, 0]  # [num_reqs]
-    t0 = torch.where(k > num_cand, float("inf"), torch.where(k > num_chunks, float("-inf"), t0))
-    bad = (chunk_max == float("inf")).any(dim=-1)  # [num_reqs] bool
-    num_above = torch.zeros((num_reqs,), dtype=torch.int32, device=device)  # [num_reqs]
-    buf_ids = torch.empty((num_reqs, cap), dtype=torch.int32, device=device)  # [num_reqs, cap]
-    buf_values = torch.empty((num_reqs, cap), dtype=torch.float32, device=device)  # [num_reqs, cap]
-    _gather_above_kernel[grid](logits, logits.stride(0), temperature, t0, num_above, buf_ids, buf_values,
-                               vocab_size, cap, BLOCK_SIZE=block_size)
-    held = torch.arange(cap, device=device)[None, :] < num_above[:, None]  # [num_reqs, cap] bool
-    buf_values = torch.where(held, buf_values, float("-inf"))
-    top_values, top_slots = buf_values.topk(num_cand, dim=-1)  # [num_reqs, C] descending
-    kth_z = top_values.gather(1, (k[:, None] - 1).clamp(max=num_cand - 1))  # [num_reqs, 1]
-    num_ge = (buf_values >= kth_z).sum(dim=-1)  # [num_reqs]
-    could_hold = ~bad & (k <= num_cand)  # [num_reqs] bool
-    overflow = could_hold & (num_above > cap)  # [num_reqs] bool
-    ok = could_hold & (num_ge <= num_cand) & (kth_z[:, 0] > float("-inf"))
-    order_key, order = torch.where(top_values >= kth_z, buf_ids.gather(1, top_slots), vocab_size).sort(dim=-1)
-    ids.copy_(order_key)
-    values.copy_(top_values.gather(1, order))
-    counts.copy_(torch.where(ok, num_ge, -1))
-    kth.copy_(kth_z[:, 0])
-    topk_select._run_row_kernel(logits, temperature, top_k, ids, values, counts, kth, block_size,
-                                row_flag=overflow.to(torch.int32))
-    return TopKCandidates(ids, values, counts, kth)
-
-
 def same_outputs(a: TopKCandidates, b: TopKCandidates) -> bool:
     if not (torch.equal(a.counts, b.counts) and torch.equal(a.kth, b.kth)):
         return False
@@ -168,29 +95,30 @@ def bench_row(num_reqs: int, vocab_size: int, top_k: int, num_cand: int, iters: 
     all_clustered = logits.clone()
     all_clustered[:, :2 * cap] = 40.0 + all_clustered[:, :2 * cap]
 
-    def select(impl: str, x: torch.Tensor = logits) -> TopKCandidates:
-        if impl == "prefilter_v1":
-            return select_prefilter_v1(x, temperature, k, num_cand, block_size, 32, cap)
-        return select_top_k_candidates(x, temperature, k, num_cand, use_triton=True, impl=impl,
-                                       block_size=block_size, prefilter_cap=cap)
+    def select(x: torch.Tensor = logits) -> TopKCandidates:
+        return select_top_k_candidates(x, temperature, k, num_cand, use_triton=True, block_size=block_size,
+                                       prefilter_cap=cap)
 
-    for impl, x in (("topk", logits), ("prefilter", logits), ("prefilter", clustered), ("prefilter", tied),
-                    ("prefilter", all_clustered),
-                    ("prefilter_v1", logits), ("prefilter_v1", clustered)):
-        if not same_outputs(select(impl, x), select("row", x)):
-            raise SystemExit(f"{impl} differs from the row kernel at num_reqs={num_reqs}")
+    def row(x: torch.Tensor = logits) -> TopKCandidates:
+        out = TopKCandidates(torch.empty((num_reqs, num_cand), dtype=torch.int32, device=device),
+                             torch.empty((num_reqs, num_cand), dtype=torch.float32, device=device),
+                             torch.empty((num_reqs,), dtype=torch.int32, device=device),
+                             torch.empty((num_reqs,), dtype=torch.float32, device=device))
+        topk_select._run_row_kernel(x, temperature, k, *out, block_size)  # the radix kernel on every row
+        return out
+
+    for x in (logits, clustered, tied, all_clustered):
+        if not same_outputs(select(x), row(x)):
+            raise SystemExit(f"the prefilter differs from the row kernel at num_reqs={num_reqs}")
     return {
         "num_reqs": num_reqs, "vocab_size": vocab_size,
         "read_ms": timer(lambda: logits.amax(dim=-1), iters),
         f"torch_topk{top_k + 1}_ms": timer(lambda: logits.topk(top_k + 1, dim=-1), iters),
-        "topk_ms": timer(lambda: select("topk"), iters),
-        "row_ms": timer(lambda: select("row"), iters),
-        "prefilter_ms": timer(lambda: select("prefilter"), iters),
-        "prefilter_1ovf_ms": timer(lambda: select("prefilter", clustered), iters),
-        "prefilter_1radix_ms": timer(lambda: select("prefilter", tied), iters),
-        "prefilter_allovf_ms": timer(lambda: select("prefilter", all_clustered), iters),
-        "prefilter_v1_ms": timer(lambda: select("prefilter_v1"), iters),
-        "prefilter_v1_1ovf_ms": timer(lambda: select("prefilter_v1", clustered), iters),
+        "row_ms": timer(lambda: row(), iters),
+        "prefilter_ms": timer(lambda: select(), iters),
+        "prefilter_1ovf_ms": timer(lambda: select(clustered), iters),
+        "prefilter_1radix_ms": timer(lambda: select(tied), iters),
+        "prefilter_allovf_ms": timer(lambda: select(all_clustered), iters),
     }
 
 

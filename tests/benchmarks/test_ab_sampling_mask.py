@@ -9,43 +9,45 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 import ab_sampling_mask as ab  # noqa: E402
 
+# A third arm: the mask arm with another attention backend (its extra environment, a variable of vllm/envs.py).
+ALT = "mask+VLLM_ATTENTION_BACKEND=TORCH"
+
 
 def test_arm_names_with_extra_environment() -> None:
     import pytest
 
     assert ab.arm_spec("mask") == (["--return-sampling-mask"], {})
-    assert ab.arm_spec("pre-change+VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS=0.5+VLLM_SAMPLING_MASK_TEXT=0") == (
-        ["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1",
-                                     "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": "0.5", "VLLM_SAMPLING_MASK_TEXT": "0"})
-    assert ab.ARMS["pre-change"][1] == {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"}  # not changed by the call above
-    assert ab.arm_spec("mask+VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS=1e+0")[1] == {
-        "VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS": "1e+0"}  # "+" inside a value
-    for bad in ("masks", "mask+FOO=1", "mask+VLLM_SAMPLING_MASK_TEXT", "no-mask+", "mask+VLLM_NO_SUCH_VAR=1"):
+    assert ab.arm_spec("mask+VLLM_ATTENTION_BACKEND=TORCH+VLLM_MAX_N_SEQUENCES=64") == (
+        ["--return-sampling-mask"], {"VLLM_ATTENTION_BACKEND": "TORCH", "VLLM_MAX_N_SEQUENCES": "64"})
+    assert ab.ARMS["mask"][1] == {}  # not changed by the call above
+    assert ab.arm_spec("mask+VLLM_ATTENTION_BACKEND=a+b")[1] == {"VLLM_ATTENTION_BACKEND": "a+b"}  # "+" in a value
+    for bad in ("masks", "pre-change", "mask+FOO=1", "mask+VLLM_ATTENTION_BACKEND", "no-mask+",
+                "mask+VLLM_NO_SUCH_VAR=1"):
         with pytest.raises(ValueError):
             ab.arm_spec(bad)
     assert ab.arm_file_name("mask+VLLM_X=0.5") == "mask_VLLM_X_0.5"
 
 
 def test_round_order_reverses_and_keeps_a_lead_arm_first() -> None:
-    arms = ["no-mask", "mask", "pre-change"]
+    arms = ["no-mask", "mask", ALT]
     assert [ab.round_order(arms, r) for r in range(3)] == [arms, arms[::-1], arms]
-    led = [ab.round_order(arms, r, "pre-change") for r in range(2)]
-    assert led == [["pre-change", "no-mask", "mask"], ["pre-change", "mask", "no-mask"]]
+    led = [ab.round_order(arms, r, ALT) for r in range(2)]
+    assert led == [[ALT, "no-mask", "mask"], [ALT, "mask", "no-mask"]]
     # Each of the other arms follows the lead arm in one round and the other arm in the other.
     followers = {tuple(o[i:i + 2]) for o in led for i in range(2)}
-    assert ("pre-change", "no-mask") in followers and ("pre-change", "mask") in followers
+    assert (ALT, "no-mask") in followers and (ALT, "mask") in followers
 
 
 def test_arm_level_timeout_overrides_the_level_timeout_of_one_arm() -> None:
     import pytest
 
     parser = ab.make_parser()
-    args = parser.parse_args(["--level-timeout", "16", "--arm-level-timeout", "pre-change=8",
-                              "--arm-level-timeout", "mask+VLLM_SAMPLING_MASK_TEXT=0=12.5"])
-    assert ab.arm_level_timeout(args, "pre-change") == 8.0
-    assert ab.arm_level_timeout(args, "mask+VLLM_SAMPLING_MASK_TEXT=0") == 12.5  # "=" inside the arm name
+    args = parser.parse_args(["--level-timeout", "16", "--arm-level-timeout", f"{ALT}=8",
+                              "--arm-level-timeout", "mask+VLLM_MAX_N_SEQUENCES=64=12.5"])
+    assert ab.arm_level_timeout(args, ALT) == 8.0
+    assert ab.arm_level_timeout(args, "mask+VLLM_MAX_N_SEQUENCES=64") == 12.5  # "=" inside the arm name
     assert ab.arm_level_timeout(args, "mask") == 16.0 and ab.arm_level_timeout(args, "no-mask") == 16.0
-    for bad in ("pre-change", "pre-change=", "=8", "pre-change=soon", "pre-change=2", "masks=8"):
+    for bad in ("mask", "mask=", "=8", "mask=soon", "mask=2", "masks=8"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--arm-level-timeout", bad])
 
@@ -54,10 +56,10 @@ def test_arm_level_timeout_of_an_arm_not_run_is_refused(monkeypatch, capsys) -> 
     import pytest
 
     monkeypatch.setattr(sys, "argv", ["ab_sampling_mask.py", "--arms", "no-mask", "mask",
-                                      "--arm-level-timeout", "pre-change=8", "--out-dir", "/nonexistent/ab"])
+                                      "--arm-level-timeout", f"{ALT}=8", "--out-dir", "/nonexistent/ab"])
     with pytest.raises(SystemExit):
         ab.main()
-    assert "--arm-level-timeout: 'pre-change' is not one of --arms" in capsys.readouterr().err
+    assert f"--arm-level-timeout: '{ALT}' is not one of --arms" in capsys.readouterr().err
 
 
 def test_one_server_is_primed_before_the_first_arm(monkeypatch, tmp_path) -> None:  # noqa: ANN001
@@ -76,27 +78,27 @@ def test_one_server_is_primed_before_the_first_arm(monkeypatch, tmp_path) -> Non
 
     def fake_run_arm(args, arm, arm_deadline, log_suffix=""):  # noqa: ANN001, ANN202
         events.append(("arm", arm))
-        return {"arm": arm, "error": None, "levels": [], "step_timing": [], "gc": []}
+        return {"arm": arm, "error": None, "levels": []}
 
     monkeypatch.setattr(ab, "start_server", fake_start)
     monkeypatch.setattr(ab, "wait_healthy", lambda proc, url, timeout_s: None)
     monkeypatch.setattr(ab, "stop_server", lambda proc: events.append(("stop", "")))
     monkeypatch.setattr(ab, "run_arm", fake_run_arm)
     monkeypatch.setattr(ab, "plot", lambda *a, **k: None)
-    for extra, want in (([], [("start", "pre-change"), ("stop", "")]), (["--no-prime"], [])):
+    for extra, want in (([], [("start", ALT), ("stop", "")]), (["--no-prime"], [])):
         events.clear()
         out = tmp_path / ("noprime" if extra else "prime")
-        monkeypatch.setattr(sys, "argv", ["ab_sampling_mask.py", "--arms", "no-mask", "mask", "pre-change",
-                                          "--lead-arm", "pre-change", "--concurrencies", "4", "--out-dir", str(out),
+        monkeypatch.setattr(sys, "argv", ["ab_sampling_mask.py", "--arms", "no-mask", "mask", ALT,
+                                          "--lead-arm", ALT, "--concurrencies", "4", "--out-dir", str(out),
                                           *extra])
         ab.main()
-        assert events == [*want, ("arm", "pre-change"), ("arm", "no-mask"), ("arm", "mask")]
+        assert events == [*want, ("arm", ALT), ("arm", "no-mask"), ("arm", "mask")]
         prime_s = json.loads((out / "ab_sampling_mask.json").read_text())["prime_startup_s"]
         assert (prime_s is None) == bool(extra)
 
 
 def test_arm_rounds_runs_one_arm_in_the_last_rounds_only(monkeypatch, tmp_path, capsys) -> None:  # noqa: ANN001
-    """--arm-rounds pre-change=1 (tools/gpu_run.sh acceptance_rounds): the pre-change arm runs once, at the very end
+    """--arm-rounds ARM=1: that arm runs once, at the very end
     (the last round), the others in all three rounds (order still alternating); each run gets an equal share of
     the budget left over the runs left (7 runs, not 9); its medians are its one round's."""
     import json
@@ -110,33 +112,33 @@ def test_arm_rounds_runs_one_arm_in_the_last_rounds_only(monkeypatch, tmp_path, 
     def fake_run_arm(args, arm, arm_deadline, log_suffix=""):  # noqa: ANN001, ANN202
         runs.append((arm, log_suffix, arm_deadline - clock[0]))
         clock[0] = arm_deadline  # each run takes its whole share
-        return {"arm": arm, "error": None, "step_timing": [], "gc": [], "server_log": f"{arm}{log_suffix}.log",
+        return {"arm": arm, "error": None, "server_log": f"{arm}{log_suffix}.log",
                 "levels": [{"concurrency": 4, "output_throughput": 100.0 + len(runs), "truncated": False,
                             "masks_ok": None, "ttft_ms_median": 1.0, "tpot_ms_median": 1.0}]}
 
     monkeypatch.setattr(ab, "run_arm", fake_run_arm)
     monkeypatch.setattr(ab, "plot", lambda *a, **k: None)
-    argv = ["ab_sampling_mask.py", "--arms", "no-mask", "mask", "pre-change", "--rounds", "3", "--arm-rounds",
-            "pre-change=1", "--concurrencies", "4", "--budget-s", "140", "--no-prime", "--out-dir", str(tmp_path)]
+    argv = ["ab_sampling_mask.py", "--arms", "no-mask", "mask", ALT, "--rounds", "3", "--arm-rounds",
+            f"{ALT}=1", "--concurrencies", "4", "--budget-s", "140", "--no-prime", "--out-dir", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     ab.main()
     assert [(arm, suffix) for arm, suffix, _ in runs] == [
         ("no-mask", "_r1"), ("mask", "_r1"), ("mask", "_r2"), ("no-mask", "_r2"),
-        ("no-mask", "_r3"), ("mask", "_r3"), ("pre-change", "_r3")]
+        ("no-mask", "_r3"), ("mask", "_r3"), (ALT, "_r3")]
     assert [share for _, _, share in runs] == [pytest.approx(20.0)] * 7  # 140 / 7, then 120 / 6, ...
     result = json.loads((tmp_path / "ab_sampling_mask.json").read_text())
-    assert [a["arm"] for a in result["arms"]] == ["no-mask", "mask", "pre-change"]
+    assert [a["arm"] for a in result["arms"]] == ["no-mask", "mask", ALT]
     pre = result["arms"][2]
     assert pre["levels"][0]["round_throughputs"] == [107.0]  # its one round
     assert result["arms"][1]["levels"][0]["round_throughputs"] == [102.0, 103.0, 106.0]
     table = (tmp_path / "ab_sampling_mask.md").read_text()
-    # Medians 104 / 103 / 107; per round mask and pre-change over no mask, then the medians of those.
+    # Medians 104 / 103 / 107; per round mask and the third arm over no mask, then the medians of those.
     assert "| 4 | 104 (1 / 1.0) | 103 (1 / 1.0) | 107 (1 / 1.0) | 0.990 | 1.029 |" in table
-    assert "Medians over 3 rounds (pre-change in 1 of them)" in table
+    assert f"Medians over 3 rounds ({ALT} in 1 of them)" in table
     assert "- c=4: 1.010 -, 0.990 -, 1.010 1.019 [1.010 1.019]" in table
-    for bad, message in ((["--arm-rounds", "pre-change=4"], "is more than --rounds 3"),
-                         (["--arm-rounds", "pre-change=0"], "expected ARM=ROUNDS"),
-                         (["--arm-rounds", "mask-ids=1"], "'mask-ids' is not one of --arms"),
+    for bad, message in ((["--arm-rounds", f"{ALT}=4"], "is more than --rounds 3"),
+                         (["--arm-rounds", f"{ALT}=0"], "expected ARM=ROUNDS"),
+                         (["--arm-rounds", "mask+VLLM_MAX_N_SEQUENCES=64=1"], "is not one of --arms"),
                          (["--arm-rounds", "no-mask=2"], "no-mask is the baseline")):
         monkeypatch.setattr(sys, "argv", [*argv, *bad])
         capsys.readouterr()

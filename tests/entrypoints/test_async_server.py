@@ -1,7 +1,6 @@
 """`vllm serve` with async scheduling (the two-deep batch queue and the output thread, which a GPU runs by default),
-here on CPU (no copy streams, staging slots or graphs), with launch-ahead on (VLLM_ENGINE_LAUNCH_AHEAD=1, an
-experiment: each step's outputs are sent after the step after next was launched) and deferred mask lists
-(VLLM_ENGINE_DEFER_MASK_LISTS=1, the default: built by the engine core when it sends them). Seeded requests return
+here on CPU (no copy streams, staging slots or graphs), with deferred mask lists (built by the engine core when it
+sends a step's outputs). Seeded requests return
 the synchronous offline engine's tokens and masks; concurrent sampled streams get one mask per token with the
 token inside; a dropped stream is aborted and frees its KV blocks."""
 
@@ -24,8 +23,7 @@ PROMPTS = ["The meaning of", "A list is", "import numpy as"]
 @pytest.fixture(scope="module")
 def server() -> Iterator[RemoteServer]:
     srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "2048",
-                        "--max-num-seqs", "16", "--api-key", API_KEY, "--async-scheduling"],
-                       {"VLLM_ENGINE_LAUNCH_AHEAD": "1", "VLLM_ENGINE_DEFER_MASK_LISTS": "1"})
+                        "--max-num-seqs", "16", "--api-key", API_KEY, "--async-scheduling"])
     yield srv
     stop_server(srv)
 

@@ -1,9 +1,7 @@
-"""`vllm serve --return-sampling-mask` with VLLM_SAMPLING_MASK_TEXT=1 (the default: masks formatted as JSON text by
-the engine and spliced into streamed chunks; with VLLM_SAMPLING_MASK_COPY_IDS=1 and =0, the ids copied to the
-engine core's host memory too or not, the first with the mask lists built by the output thread) and =0 (the API
-server formats the ids): the streamed masks equal
-those of the same seeded request without streaming (built from the id arrays), and every token is inside its
-mask; the same for streamed chat completions."""
+"""`vllm serve --return-sampling-mask`: masks formatted as JSON text on the device and spliced into the responses
+(the engine core copies the text and counts, not the ids). A seeded request's masks, streamed and not, equal
+those of the same request in an in-process engine (built from the id arrays), and every token is inside its
+mask; the same for streamed chat completions against the whole chat response."""
 
 from __future__ import annotations
 
@@ -13,29 +11,22 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from tests.entrypoints.conftest import RemoteServer, start_server, stop_server
+from vllm import LLM, SamplingParams
 
 
-# The non-streamed completion of each server mode: the text modes' (masks sent and spliced as the engine's text)
-# must equal the ids mode's (masks from the id arrays, formatted by pydantic) for the same seeded request.
-_FULL: dict[str, dict] = {}
-
-
-# Server modes: the engine's text with its ids copied to the host too (and the mask lists built by the output
-# thread, VLLM_ENGINE_DEFER_MASK_LISTS=0; the default builds them when the step is sent), the text alone (the ids
-# stay on the device), the ids alone (VLLM_SAMPLING_MASK_TEXT=0).
-_MODES = {"text": {"VLLM_SAMPLING_MASK_TEXT": "1", "VLLM_SAMPLING_MASK_COPY_IDS": "1",
-                   "VLLM_ENGINE_DEFER_MASK_LISTS": "0"},
-          "text_only": {"VLLM_SAMPLING_MASK_TEXT": "1", "VLLM_SAMPLING_MASK_COPY_IDS": "0"},
-          "ids": {"VLLM_SAMPLING_MASK_TEXT": "0"}}
-
-
-@pytest.fixture(scope="module", params=list(_MODES))
-def text_server(request: pytest.FixtureRequest) -> Iterator[RemoteServer]:
+@pytest.fixture(scope="module")
+def text_server() -> Iterator[RemoteServer]:
     srv = start_server(["--return-sampling-mask", "--logprobs-mode", "processed_logprobs", "--max-model-len", "256",
-                        "--max-num-seqs", "8", "--seed", "0"], _MODES[request.param])
-    srv.mode = request.param  # type: ignore[attr-defined]
+                        "--max-num-seqs", "8", "--seed", "0"])
     yield srv
     stop_server(srv)
+
+
+def _reference(model: str, prompt: str, params: SamplingParams) -> tuple[list[int], list[list[int]]]:
+    """The tokens and masks (as id lists) of the same seeded request in an in-process engine."""
+    llm = LLM(model, device="cpu", max_model_len=256, return_sampling_mask=True, logprobs_mode="processed_logprobs")
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    return list(out.token_ids), [list(m) for m in out.sampling_mask.token_ids]
 
 
 def test_streamed_text_masks_equal_the_id_masks(text_server: RemoteServer) -> None:
@@ -43,9 +34,9 @@ def test_streamed_text_masks_equal_the_id_masks(text_server: RemoteServer) -> No
     body = {"prompt": "def main(", "max_tokens": 12, "temperature": 1.0, "top_k": 40, "top_p": 0.9, "seed": 11,
             "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
     full = httpx.post(url, json=body, timeout=120).json()["choices"][0]
-    _FULL[text_server.mode] = full  # type: ignore[attr-defined]
-    first = next(iter(_FULL.values()))  # every later mode's whole response agrees with the first mode's
-    assert full["token_ids"] == first["token_ids"] and full["sampling_mask"] == first["sampling_mask"]
+    want_ids, want_masks = _reference(text_server.model, body["prompt"], SamplingParams(
+        temperature=1.0, top_k=40, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True, logprobs=1))
+    assert full["token_ids"] == want_ids and full["sampling_mask"] == want_masks
     resp = httpx.post(url, json={**body, "stream": True}, timeout=120)
     assert resp.status_code == 200
     token_ids: list[int] = []

@@ -67,7 +67,7 @@ class ModelConfig:
     """Return, for every generated token, the ids the sampler could have drawn (its support). Needs
     --logprobs-mode processed_logprobs."""
     sampling_mask_text: bool = False
-    """Internal, set by the API server (with VLLM_SAMPLING_MASK_TEXT=1): the engine also returns each token's
+    """Internal, set by the API server: the engine also returns each token's
     sampling mask as JSON text, formatted on the device, so that the server does not turn hundreds of ids per
     token into Python ints."""
 

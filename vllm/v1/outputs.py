@@ -262,9 +262,9 @@ def step_mask_stats(step_masks: StepMasks, top_k: np.ndarray) -> tuple[list[int]
 
 
 class PendingStepMasks(NamedTuple):
-    """A step's StepMasks whose lists are not built yet (VLLM_ENGINE_DEFER_MASK_LISTS): the positions each output
-    carries are known at the step's update, the lists are built by `resolve()` on the engine's main thread once
-    the step after next has been launched (EngineCoreOutputs.resolve_step_rows)."""
+    """A step's StepMasks whose lists are not built yet (deferred by the engine core): the positions each output
+    carries are known at the step's update, the lists are built by `resolve()` on the engine's main thread when
+    the step's outputs are sent or handed on, the next step already running (resolve_step_rows)."""
 
     # The runner's deferred masks (vllm/v1/worker/async_output.py: DeferredMasks): `build()` -> (lists, texts).
     masks: Any
@@ -305,7 +305,7 @@ class ModelRunnerOutput:
     sampling_masks: SamplingMaskLists | None = None
     # The same supports as JSON text, when the API server asked for it (ModelConfig.sampling_mask_text).
     sampling_mask_text: SamplingMaskText | None = None
-    # VLLM_ENGINE_DEFER_MASK_LISTS: the masks not yet built into sampling_masks / sampling_mask_text (both None
+    # Deferred by the engine core: the masks not yet built into sampling_masks / sampling_mask_text (both None
     # then), an object with `build()` -> (lists, texts) and `release()` (async_output.DeferredMasks).
     pending_masks: Any = None
     # The model runner's per-row settings; None (hand-built outputs): the scheduler reads the requests'.

@@ -8,7 +8,7 @@ interpreter's final collections free them as they free everything else.
 Why: serving allocates thousands of short-lived objects per engine step (outputs, lists, chunks, frames), nearly
 all freed by reference counting. With Python's default thresholds (700, 10, 10) the collector ran a young
 collection every few hundred microseconds and a full one several times a second; a full collection walks every
-live request's objects. Measured on the H200 (VLLM_ENGINE_STEP_TIMING's GC log): the API servers paused 16-27%
+live request's objects. Measured on the H200 (a GC log since removed): the API servers paused 16-27%
 of the time at 1024 streams before they took these thresholds, and the engine core, still on the defaults,
 10-12 full collections per 5 s at ~1000 rows of 12-25 ms each (longer than a decode step: the device idles),
 4.6-7.2% of the time paused (docs/benchmarks.md).

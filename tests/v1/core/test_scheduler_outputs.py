@@ -99,7 +99,7 @@ def test_three_requests_each_receive_their_own_mask_row(make_scheduler: Callable
 
 def test_text_only_masks_give_texts_and_sizes(make_scheduler: Callable[..., Scheduler],
                                              request_factory: Callable[..., Request]) -> None:
-    """An API server's engine without the ids copied (VLLM_SAMPLING_MASK_COPY_IDS=0): the runner's lists carry
+    """An API server's engine without the ids copied: the runner's lists carry
     the sizes only (token_ids None) beside the texts; each request gets its own text row and no ids, in process
     and over the wire alike, and the stats count the sizes."""
     sched = make_scheduler()
@@ -182,8 +182,8 @@ class FakeDeferredMasks:
 
 def test_deferred_masks_resolve_to_the_same_rows_and_stats(make_scheduler: Callable[..., Scheduler],
                                                            request_factory: Callable[..., Request]) -> None:
-    """VLLM_ENGINE_DEFER_MASK_LISTS: the update leaves a PendingStepMasks and no mask sizes; resolve_step_rows
-    builds the lists once and gives the rows and stats an undeferred update gives."""
+    """Deferred mask lists (the engine core's only path): the update leaves a PendingStepMasks and no mask sizes;
+    resolve_step_rows builds the lists once and gives the rows and stats an undeferred update gives."""
     from vllm.v1.outputs import PendingStepMasks
     results = {}
     for deferred in (False, True):

@@ -1,7 +1,5 @@
-"""EngineCoreProc's busy loop, its order of work per step against a scripted engine core (no sockets): without
-launch-ahead a step's outputs are sent as soon as the step returns them; with it, after the inputs that arrived
-meanwhile were applied and after `launch_ahead`, and never lost when the core goes idle or stops; an idle core
-blocks for input only once everything is sent."""
+"""EngineCoreProc's busy loop, its order of work per step against a scripted engine core (no sockets): a step's
+outputs are sent as soon as the step returns them; an idle core blocks for input only once everything is sent."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ from vllm.v1.engine.core_proc import EngineCoreProc
 
 
 class ScriptedCore:
-    """Runs `num_steps` steps and logs every call; no launch-ahead, like a core with only the protocol's four
-    methods."""
+    """Runs `num_steps` steps and logs every call, like a core with only the protocol's four methods."""
 
     def __init__(self, num_steps: int, log: list[Any]) -> None:
         self.num_steps, self.done, self.log = num_steps, 0, log
@@ -27,19 +24,11 @@ class ScriptedCore:
         return EngineCoreOutputs(outputs=[EngineCoreOutput("r", [self.done])])
 
 
-class AheadCore(ScriptedCore):
-    launches_ahead = True
-
-    def launch_ahead(self) -> None:
-        self.log.append("ahead")
-
-
 def _run(core: Any, log: list[Any], aborts_at: int | None = None, stops_at: int | None = None) -> None:
     """The loop until its second blocking poll (or poll number `stops_at`, a SHUTDOWN); poll number `aborts_at`
     reports an abort."""
     proc = EngineCoreProc.__new__(EngineCoreProc)  # the loop only: inputs and sends are scripted
     proc.engine_core, proc.should_stop = core, False
-    proc.launches_ahead = getattr(core, "launches_ahead", False)
     polls, blocking = [0], [0]
 
     def process_inputs(block: bool) -> bool:
@@ -54,11 +43,11 @@ def _run(core: Any, log: list[Any], aborts_at: int | None = None, stops_at: int 
     proc.send_outputs = lambda outputs: log.append(("send", outputs.outputs[0].new_token_ids[0]))  # type: ignore
     proc.broadcast = lambda kind, payload: log.append("stats")  # type: ignore[method-assign]
     proc._stats = lambda: None  # type: ignore[method-assign]
-    proc._busy_loop(None, None, None)
+    proc.run_busy_loop()
 
 
-def test_without_launch_ahead_outputs_go_out_at_once() -> None:
-    """A core without launch-ahead: each step's outputs are sent right after the step; an abort that arrives with
+def test_outputs_go_out_at_once() -> None:
+    """Each step's outputs are sent right after the step; an abort that arrives with
     nothing running gets a stats-only message."""
     log: list[Any] = []
     _run(ScriptedCore(2, log), log, aborts_at=3)
@@ -68,18 +57,7 @@ def test_without_launch_ahead_outputs_go_out_at_once() -> None:
                    ("inputs", True)]
 
 
-def test_with_launch_ahead_outputs_are_sent_after_the_next_launch() -> None:
+def test_shutdown_stops_the_loop_after_a_sent_step() -> None:
     log: list[Any] = []
-    _run(AheadCore(3, log), log)
-    assert log == [("inputs", False), ("step", 1),
-                   ("inputs", False), "ahead", ("send", 1), ("step", 2),
-                   ("inputs", False), "ahead", ("send", 2), ("step", 3),
-                   # the core is idle now, but step 3's outputs are still to go: no blocking poll before them
-                   ("inputs", False), ("send", 3),
-                   ("inputs", True), ("inputs", True)]
-
-
-def test_held_outputs_are_sent_on_shutdown() -> None:
-    log: list[Any] = []
-    _run(AheadCore(3, log), log, stops_at=2)
-    assert log == [("inputs", False), ("step", 1), ("inputs", False), ("send", 1)]
+    _run(ScriptedCore(3, log), log, stops_at=2)
+    assert log == [("inputs", False), ("step", 1), ("send", 1), ("inputs", False)]

@@ -1,5 +1,5 @@
 """EngineCoreProc.send over a real ZMQ PUSH/PULL pair: a step's outputs with a mask text large enough for a frame of
-its own (zero-copy by default, copied with VLLM_ENGINE_SEND_COPY=1) arrive whole either way; send_outputs with
+its own (a zero-copy frame) arrive whole; send_outputs with
 several clients: each client's share of the step-level rows."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import zmq
 
-from vllm import envs
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.engine.core_proc import OUTPUTS, EngineCoreProc
 from vllm.v1.outputs import LogprobsLists, SamplingMaskLists, SamplingMaskText, StepLogprobs, StepMasks
@@ -18,9 +17,7 @@ from vllm.v1.sample.sampling_mask import group_order
 from vllm.v1.serial_utils import AUX_FRAME_MIN_BYTES, MsgpackDecoder, MsgpackEncoder
 
 
-@pytest.mark.parametrize("send_copy", [False, True])
-def test_send_delivers_large_mask_frames(monkeypatch: pytest.MonkeyPatch, send_copy: bool) -> None:
-    monkeypatch.setenv("VLLM_ENGINE_SEND_COPY", "1" if send_copy else "0")
+def test_send_delivers_large_mask_frames() -> None:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
@@ -29,8 +26,6 @@ def test_send_delivers_large_mask_frames(monkeypatch: pytest.MonkeyPatch, send_c
     try:
         proc = EngineCoreProc.__new__(EngineCoreProc)  # the sending half only: no engine, no input sockets
         proc.output_sockets, proc.encoder = [push], MsgpackEncoder()
-        proc.send_copy = envs.VLLM_ENGINE_SEND_COPY
-        assert proc.send_copy is send_copy
         rows = [b"[" + b",".join(str(i).encode() for i in range(r, r + 6000)) + b"]" for r in range(3)]
         text = np.frombuffer(b"".join(rows), dtype=np.uint8)
         assert text.nbytes >= AUX_FRAME_MIN_BYTES  # travels as a frame of its own
@@ -123,7 +118,7 @@ def test_send_outputs_cuts_each_clients_share(monkeypatch: pytest.MonkeyPatch, c
         monkeypatch.setattr(StepMasks, "text_shares", spy if use_shares else lambda self, *a: None)
         proc = EngineCoreProc.__new__(EngineCoreProc)  # the sending half only
         proc.output_sockets = [_FrameLog() for _ in range(num_clients)]
-        proc.encoder, proc.send_copy = MsgpackEncoder(), False
+        proc.encoder = MsgpackEncoder()
         proc.client_of = {f"r{r}": client[r] for r in range(n)}
         proc.aborted_client = {}
         outputs, _ = _step(n, client, wants_mask, out_rows)

@@ -257,11 +257,11 @@ def test_select_falls_back_to_torch_when_the_kernel_cannot_compile(monkeypatch: 
         assert torch.equal(got.token_ids[r, :n], want.token_ids[r, :n])
 
 
-@pytest.fixture(params=["topk", "row", "torch"])
+@pytest.fixture(params=["triton", "torch"])
 def any_select(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every candidate selector but the prefilter (its own tests in test_topk_select.py): "topk" (torch.topk + the
-    counting kernel), the radix row kernel (both Triton, interpreted on CPU) and the torch version."""
-    kwargs = {"use_triton": False} if request.param == "torch" else {"use_triton": True, "impl": request.param}
+    """Both candidate selects: the kernels (the prefilter and the radix kernel for the rows it flags; interpreted
+    on CPU) and the torch version."""
+    kwargs = {"use_triton": request.param == "triton"}
     monkeypatch.setattr(fast_path, "select_top_k_candidates", functools.partial(select_top_k_candidates, **kwargs))
     return request.param
 

@@ -65,12 +65,13 @@ def tie_rows() -> torch.Tensor:
 
 def run_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int) -> TopKCandidates:
     return select_top_k_candidates(logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), num_cand,
-                                   use_triton=True, impl="topk")
+                                   use_triton=True)
 
 
-def test_topk_impl_matches_reference() -> None:
-    """impl="topk" (torch.topk threshold + one counting read) against the sort reference: random rows at several
-    temperatures, tie groups inside and past C, +-0.0 ties, NaN/+inf/-inf rows and the k bounds (also k > C)."""
+def test_select_matches_reference() -> None:
+    """The select's kernels (the prefilter, with the radix kernel for the rows it flags) against the sort
+    reference: random rows at several temperatures, tie groups inside and past C, +-0.0 ties, NaN/+inf/-inf rows
+    and the k bounds (also k > C)."""
     logits = bf16_logits(4, 3001, 3001)
     temperature = torch.tensor([1.0, 0.7, 1.3, 0.31])
     top_k = torch.tensor([1, 50, 300, 17], dtype=torch.int32)
@@ -119,33 +120,12 @@ def test_topk_impl_matches_reference() -> None:
 
 def test_select_argument_validation() -> None:
     logits, temperature, top_k = torch.zeros(1, 100), torch.ones(1), torch.ones(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="impl"):
-        select_top_k_candidates(logits, temperature, top_k, 8, impl="columns")
     with pytest.raises(ValueError, match="block_size"):
         select_top_k_candidates(logits, temperature, top_k, 8, block_size=100)
 
 
-def test_topk_impl_falls_back_to_torch_when_it_cannot_compile(monkeypatch: pytest.MonkeyPatch) -> None:
-    import triton
-
-    class Broken:
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-                raise triton.CompilationError("src", None, "cannot compile")
-            return launch
-
-    monkeypatch.setattr(topk_select, "_count_at_least_kernel", Broken())
-    monkeypatch.setattr(topk_select, "_kernel_failed", False)
-    logits = bf16_logits(3, 700, 4)
-    temperature = torch.ones(3)
-    top_k = torch.tensor([1, 5, 40], dtype=torch.int32)
-    got = run_topk(logits, temperature, top_k, 64)
-    assert topk_select._kernel_failed
-    check(got, reference(logits, temperature, top_k, 64))
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_topk_impl_full_vocabulary_on_gpu() -> None:
+def test_select_full_vocabulary_on_gpu_matches_the_radix_kernel() -> None:
     vocab_size, num_reqs = 151936, 48
     logits = bf16_logits(num_reqs, vocab_size, 5)
     logits[0, 5] = float("nan")
@@ -153,14 +133,17 @@ def test_topk_impl_full_vocabulary_on_gpu() -> None:
     temperature = torch.rand(num_reqs, generator=torch.Generator().manual_seed(6)) + 0.3
     top_k = torch.randint(1, 2048, (num_reqs,), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
     args = (logits.cuda(), temperature.cuda(), top_k.cuda(), 2600)
-    got = select_top_k_candidates(*args, impl="topk")
-    row = select_top_k_candidates(*args, impl="row")
+    got = select_top_k_candidates(*args)
+    row = TopKCandidates(torch.empty(num_reqs, 2600, dtype=torch.int32, device="cuda"),
+                         torch.empty(num_reqs, 2600, device="cuda"),
+                         torch.empty(num_reqs, dtype=torch.int32, device="cuda"), torch.empty(num_reqs, device="cuda"))
+    topk_select._run_row_kernel(*args[:3], *row, 1024)  # the radix kernel on every row
     check(got, reference(logits, temperature, top_k, 2600), check_kth=False)
     assert torch.equal(got.counts, row.counts)
     assert torch.equal(got.kth[1:], row.kth[1:])
 
 
-# impl="prefilter": chunk maxima bound the threshold from below, the values above the bound are gathered into a
+# The prefilter: chunk maxima bound the threshold from below, the values above the bound are gathered into a
 # per-row buffer of `cap` slots, the rows whose buffer overflows take the radix kernel. Small chunks and caps
 # so that every path runs on a few thousand ids.
 
@@ -168,7 +151,7 @@ def test_topk_impl_full_vocabulary_on_gpu() -> None:
 def run_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
                   chunk: int = 32, cap: int | None = None, block: int = BLOCK) -> TopKCandidates:
     return select_top_k_candidates(logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), num_cand,
-                                   use_triton=True, impl="prefilter", block_size=block, prefilter_chunk=chunk,
+                                   use_triton=True, block_size=block, prefilter_chunk=chunk,
                                    prefilter_cap=cap)
 
 
@@ -195,7 +178,7 @@ def overflow_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def check_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int,
                     chunk: int = 32, cap: int | None = None, block: int = BLOCK) -> list[int]:
-    """impl="prefilter" against the sort reference and the torch select: the same counts (-1 on the same rows),
+    """The prefilter against the sort reference and the torch select: the same counts (-1 on the same rows),
     and on every other row the same ids, values and kth. Returns the counts."""
     got = run_prefilter(logits, temperature, top_k, num_cand, chunk, cap, block)
     want = reference(logits, temperature, top_k, num_cand)
@@ -458,10 +441,10 @@ def test_prefilter_argument_validation() -> None:
     logits, temperature, top_k = torch.zeros(1, 100), torch.ones(1), torch.ones(1, dtype=torch.int32)
     for chunk in (1, 24, 512):
         with pytest.raises(ValueError, match="prefilter_chunk"):
-            select_top_k_candidates(logits, temperature, top_k, 8, impl="prefilter", block_size=256,
+            select_top_k_candidates(logits, temperature, top_k, 8, block_size=256,
                                     prefilter_chunk=chunk)
     with pytest.raises(ValueError, match="prefilter_cap"):
-        select_top_k_candidates(logits, temperature, top_k, 8, impl="prefilter", prefilter_cap=7)
+        select_top_k_candidates(logits, temperature, top_k, 8, prefilter_cap=7)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -483,7 +466,7 @@ def test_prefilter_full_vocabulary_on_gpu(dtype: torch.dtype, row_kernel_flags: 
     top_k[4] = 3000
     logits = logits.to(dtype)
     assert overflow_rows(logits, temperature, top_k, num_cand, 32, 2 * num_cand) == [2]
-    got = select_top_k_candidates(logits.cuda(), temperature.cuda(), top_k.cuda(), num_cand, impl="prefilter")
+    got = select_top_k_candidates(logits.cuda(), temperature.cuda(), top_k.cuda(), num_cand)
     want = reference(logits, temperature, top_k, num_cand)
     check(got, want, check_kth=False)
     assert all(float(got.kth[r]) == w[1] for r, w in enumerate(want) if w[0] >= 0)
@@ -495,35 +478,10 @@ def test_prefilter_full_vocabulary_on_gpu(dtype: torch.dtype, row_kernel_flags: 
     top_k = torch.tensor([512, 512, 300], dtype=torch.int32)
     temperature = torch.tensor([1.0, 0.7, 1.0])
     assert overflow_rows(clustered, temperature, top_k, 640, 32, 2048) == [0, 1]
-    got = select_top_k_candidates(clustered.cuda(), temperature.cuda(), top_k.cuda(), 640, impl="prefilter")
+    got = select_top_k_candidates(clustered.cuda(), temperature.cuda(), top_k.cuda(), 640)
     want = reference(clustered, temperature, top_k, 640)
     check(got, want)
     assert min(w[0] for w in want) >= 300 and row_kernel_flags == [[], [1]]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the switch picks the CUDA default)")
-def test_select_impl_switch_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """VLLM_TOPK_SELECT_IMPL picks the CUDA select when no impl is given ("prefilter" without it); an unknown one
-    is refused."""
-    logits = bf16_logits(8, 151936, 9).cuda()
-    temperature = torch.ones(8, device="cuda")
-    top_k = torch.tensor([1, 5, 40, 512, 512, 100, 2, 300], dtype=torch.int32, device="cuda")
-    calls: list[str] = []
-    for name in ("_select_topk", "_select_prefilter"):
-        real = getattr(topk_select, name)
-        monkeypatch.setattr(topk_select, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a)))
-    monkeypatch.delenv("VLLM_TOPK_SELECT_IMPL", raising=False)
-    got = select_top_k_candidates(logits, temperature, top_k, 640)
-    monkeypatch.setenv("VLLM_TOPK_SELECT_IMPL", "topk")
-    default = select_top_k_candidates(logits, temperature, top_k, 640)
-    assert calls == ["_select_prefilter", "_select_topk"]
-    check(got, reference(logits.cpu(), temperature.cpu(), top_k.cpu(), 640))
-    assert torch.equal(got.counts, default.counts)
-    for r, n in enumerate(got.counts.tolist()):  # slots past a row's count are undefined (TopKCandidates)
-        assert torch.equal(got.token_ids[r, :min(n, 8)], default.token_ids[r, :min(n, 8)]), r
-    monkeypatch.setenv("VLLM_TOPK_SELECT_IMPL", "sort")
-    with pytest.raises(ValueError, match="VLLM_TOPK_SELECT_IMPL"):
-        select_top_k_candidates(logits, temperature, top_k, 640)
 
 
 def expected_paths(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, num_cand: int, chunk: int,

@@ -66,12 +66,9 @@ def test_greedy_stops_and_lengths_match(llms: dict[bool, LLM]) -> None:
         assert core.scheduler.kv_cache_manager.usage == 0
 
 
-@pytest.mark.parametrize("deferred", [False, True])
-def test_seeded_logprobs_and_masks_match(deferred: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_seeded_logprobs_and_masks_match() -> None:
     """Async scheduling gives the synchronous engine's seeded tokens, logprobs and masks, with the mask lists built
-    by the output thread (VLLM_ENGINE_DEFER_MASK_LISTS=0) or by the caller's thread when it takes the step's
-    outputs (deferred, the default)."""
-    monkeypatch.setenv("VLLM_ENGINE_DEFER_MASK_LISTS", "1" if deferred else "0")
+    by the caller's thread when it takes the step's outputs (deferred, as the engine core always does)."""
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i, max_tokens=10, logprobs=3,
                              ignore_eos=True) for i in range(5)]
     results = {}
@@ -86,11 +83,7 @@ def test_seeded_logprobs_and_masks_match(deferred: bool, monkeypatch: pytest.Mon
             seen.append(mo.row_settings is not None), f(so, mo))[1]
         results[flag] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
         assert with_settings and all(with_settings)
-        if flag:  # the token and logprob lists are the output thread's phase; the mask lists are where deferred
-            core = _engine_core(llm)
-            assert core.worker.model_runner.output_copier.defer_mask_lists is deferred
-            assert core.step_timer.totals["out.lists"] > 0
-            assert (core.step_timer.totals.get("send.masks", 0) > 0) is deferred
+        assert _engine_core(llm).worker.model_runner.output_copier.defer_mask_lists
     _assert_same_samples(results[False], results[True], 10)
     for out in results[True]:
         for token, support in zip(out.outputs[0].token_ids, out.outputs[0].sampling_mask.token_ids):
@@ -178,43 +171,12 @@ def test_next_step_launches_before_previous_tokens_reach_the_host() -> None:
     assert sum(fed_from_device) >= 2 * 4
 
 
-def test_launch_ahead_keeps_two_steps_in_flight_while_outputs_are_processed(monkeypatch: pytest.MonkeyPatch
-                                                                            ) -> None:
-    """With VLLM_ENGINE_LAUNCH_AHEAD=1 the frontend processes step N's outputs while steps N+1 and N+2 are both
-    launched (without it, only N+1), and every token, mask and logprob is the synchronous engine's."""
-    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7 + i, max_tokens=9, logprobs=2,
-                             ignore_eos=True) for i in range(5)]
-    results, in_flight = {}, {}
-    for ahead in (None, False, True):  # None: synchronous steps, the reference
-        monkeypatch.setenv("VLLM_ENGINE_LAUNCH_AHEAD", "1" if ahead else "0")
-        llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=ahead is not None,
-                  return_sampling_mask=True, logprobs_mode="processed_logprobs")
-        core, engine = _engine_core(llm), llm.llm_engine
-        assert core.launches_ahead is bool(ahead)
-        seen: list[int] = []
-        process = engine.output_processor.process_outputs
-        engine.output_processor.process_outputs = lambda outs, *rest, p=process, s=seen, c=core: (
-            s.append(len(c.batch_queue)), p(outs, *rest))[1]
-        results[ahead] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
-        in_flight[ahead] = seen
-        assert not core.has_unfinished_requests() and not core.batch_queue
-        assert core.scheduler.kv_cache_manager.usage == 0
-    assert max(in_flight[False]) == 1 and max(in_flight[True]) == 2
-    # Two in flight except where the queue drains: once when the first four requests finish (the fifth cannot be
-    # scheduled before their last update) and in the last steps.
-    assert in_flight[True].count(2) >= len(in_flight[True]) - 4, in_flight
-    for ahead in (False, True):
-        _assert_same_samples(results[None], results[ahead], 9)
-
-
-def test_stop_strings_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stop string found by the frontend aborts its request while two more steps are in flight (launch-ahead):
-    texts, tokens and finish reasons equal the synchronous engine's, and every block comes back."""
+def test_stop_strings_with_async_scheduling() -> None:
+    """A stop string found by the frontend aborts its request while the next step is in flight: texts, tokens and finish reasons equal the synchronous engine's, and every block comes back."""
     seeded = [SamplingParams(temperature=0.8, top_k=20, seed=30 + i, max_tokens=16, ignore_eos=True)
               for i in range(4)]
     llms = {}
     for ahead in (None, True):  # None: synchronous steps, the reference
-        monkeypatch.setenv("VLLM_ENGINE_LAUNCH_AHEAD", "1" if ahead else "0")
         llms[ahead] = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=ahead is not None)
     free = llms[None].generate(PROMPTS[:4], seeded, use_tqdm=False)
     # Stop strings taken from the middle of each free text, so that each request stops early.
@@ -226,20 +188,18 @@ def test_stop_strings_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) -> None
     assert _summary(results[True]) == _summary(results[None])
     assert all(o.outputs[0].finish_reason == "stop" for o in results[True])
     core = _engine_core(llms[True])
-    assert core.launches_ahead and not core.has_unfinished_requests() and not core.batch_queue
+    assert not core.has_unfinished_requests() and not core.batch_queue
     assert core.scheduler.kv_cache_manager.usage == 0
 
 
-def test_deferred_mask_lists_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    """VLLM_ENGINE_DEFER_MASK_LISTS=1 with launch-ahead: the masks are built when the frontend takes the step's
-    outputs (after the next launch), and tokens, masks, logprobs and the stats' mask sizes (over the whole run)
+def test_deferred_mask_lists_with_async_scheduling() -> None:
+    """With async scheduling the masks are built when the frontend takes the step's outputs (the next step in
+    flight), and tokens, masks, logprobs and the stats' mask sizes (over the whole run)
     equal the synchronous engine's."""
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=50 + i, max_tokens=8, logprobs=1,
                              ignore_eos=True) for i in range(5)]
     results, sizes = {}, {}
     for deferred in (False, True):  # False: synchronous steps, the reference
-        monkeypatch.setenv("VLLM_ENGINE_LAUNCH_AHEAD", "1" if deferred else "0")
-        monkeypatch.setenv("VLLM_ENGINE_DEFER_MASK_LISTS", "1" if deferred else "0")
         llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, async_scheduling=deferred,
                   return_sampling_mask=True, logprobs_mode="processed_logprobs")
         client = llm.llm_engine.engine_core
@@ -249,8 +209,5 @@ def test_deferred_mask_lists_with_launch_ahead(monkeypatch: pytest.MonkeyPatch) 
             o.scheduler_stats.sampling_mask_sizes if o.scheduler_stats else []), o)[1])(g())
         results[deferred] = llm.generate(PROMPTS[:5], params, use_tqdm=False)
         sizes[deferred] = sorted(seen)
-        core = _engine_core(llm)
-        assert core.worker.model_runner.output_copier.defer_mask_lists is deferred
-        assert (core.step_timer.totals["send.masks"] > 0) is deferred
     assert len(sizes[True]) == 5 * 8 and sizes[True] == sizes[False]
     _assert_same_samples(results[False], results[True], 8)

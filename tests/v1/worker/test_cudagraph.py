@@ -77,7 +77,7 @@ def _padded_cpu_runner(sizes: list[int]) -> tuple[ModelRunner, list[int]]:
 
 def _mask_row(out: Any, j: int) -> list[int]:
     """Row j's sampling mask of a runner output: its ids, or, when the runner copied only the JSON text (the
-    default with the text, VLLM_SAMPLING_MASK_COPY_IDS=0: ids-free lists), its text parsed (of the row's size)."""
+    default with the text: ids-free lists), its text parsed (of the row's size)."""
     masks = out.sampling_masks
     size = int(masks.offsets[j + 1] - masks.offsets[j])
     if masks.token_ids is not None:
@@ -209,13 +209,14 @@ def _per_request(outputs: list[Any], num_reqs: int) -> list[list[tuple[Any, ...]
 @pytest.mark.parametrize("copy_ids", ["0", "1"], ids=["text_only", "ids"])
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (4, 0.9)])
 @pytest.mark.parametrize("num_reqs", [1, 3])
-def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float, copy_ids: str,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    # NOTE: with the ids copied too (VLLM_SAMPLING_MASK_COPY_IDS=1) every text is also checked against its ids.
-    monkeypatch.setenv("VLLM_SAMPLING_MASK_COPY_IDS", copy_ids)
+def test_padded_sampler_matches_unpadded(num_reqs: int, top_k: int, top_p: float, copy_ids: str) -> None:
+    # NOTE: with the ids copied too (as for a vocabulary whose ids the device does not format: mask_ids_needed)
+    # every text is also checked against its ids.
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, logprobs=1, max_tokens=16, ignore_eos=True)
     ref, _ = _runner("cpu", record=False, **MASK_KWARGS)
     padded, calls = _padded_cpu_runner([2, 4])
+    for runner in (ref, padded):
+        runner.output_copier.mask_ids = copy_ids == "1"
     # NOTE: the prefill step samples unpadded, as the reference's does (the padded sampler of steps with prefills
     # draws for more rows, so with top_p the first decode step's context could differ; its own tests are below).
     padded.sample_mixed_graphed = False
@@ -266,8 +267,8 @@ def test_sampler_graph_matches_eager(top_k: int, top_p: float) -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_text_only_mask_copy_gives_the_same_texts(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """VLLM_SAMPLING_MASK_COPY_IDS=0: the sampler graphs (CUDA; on CPU their padded eager stand-in) prepack no ids
+def test_text_only_mask_copy_gives_the_same_texts(device: str) -> None:
+    """The default with the text (no ids copied): the sampler graphs (CUDA; on CPU their padded eager stand-in) prepack no ids
     and the copier copies none; the steps' lists carry each row's size and no ids, and the texts equal those of a
     runner that copies the ids, step by step (the same seeded draws), each one its row's ids as JSON."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -275,11 +276,13 @@ def test_text_only_mask_copy_gives_the_same_texts(device: str, monkeypatch: pyte
     params = SamplingParams(temperature=1.0, top_k=4, top_p=0.9, logprobs=1, max_tokens=16, ignore_eos=True)
     steps: dict[str, list[Any]] = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv("VLLM_SAMPLING_MASK_COPY_IDS", mode)
         if device == "cpu":
             runner, calls = _padded_cpu_runner([2, 4])
         else:
             runner, _ = _runner("cuda", enforce_eager=False, capture_sizes=[1, 2, 4], record=False, **MASK_KWARGS)
+        assert not runner.output_copier.mask_ids  # the default with the text
+        runner.output_copier.mask_ids = mode == "1"  # the ids copied too, as for mask_ids_needed's vocabularies
+        if device == "cuda":
             runner.capture_model()
         assert runner.output_copier.mask_ids is (mode == "1")
         torch.manual_seed(1234)
@@ -444,7 +447,7 @@ def test_padded_mixed_steps_match_unpadded(backend: str) -> None:
 @pytest.mark.parametrize("backend", ["TORCH", "TRITON"])
 def test_padded_mixed_sampler_matches_unpadded(backend: str, sampler_graph: bool) -> None:
     """top_k=1 with logprobs and sampling masks: tokens, logprobs, ranks and masks per request equal; with
-    `sampler_graph` the padded mixed steps also sample as the padded sampler (VLLM_SAMPLER_GRAPH_MIXED)."""
+    `sampler_graph` the padded mixed steps also sample as the padded sampler (sample_mixed_graphed)."""
     _skip_triton_on_cuda(backend)
     ref, padded, seen = _mixed_runners(backend, record=False, **MASK_KWARGS)
     calls: list[int] = []
@@ -485,7 +488,7 @@ def _prefill_steps(runner: ModelRunner, params: SamplingParams) -> list[Any]:
 
 
 def test_padded_sampler_of_prefill_steps_matches_unpadded() -> None:
-    """VLLM_SAMPLER_GRAPH_MIXED on CPU (the sampler graph's padded sampler, run eagerly): steps with prefills
+    """Sampler graphs of steps with prefills on CPU (the sampler graph's padded sampler, run eagerly): steps with prefills
     sample as the padded sampler of their request count over their requests' last hidden states, and give the
     unpadded sampler's tokens, logprobs and masks (top_k=1: exact); the partial chunk samples nothing."""
     params = SamplingParams(temperature=1.0, top_k=1, logprobs=1, max_tokens=16, ignore_eos=True)
@@ -522,7 +525,7 @@ def test_step_without_sampling_rows_samples_eagerly() -> None:
 
 
 def test_padded_sampler_of_prefill_steps_top_p_masks() -> None:
-    """VLLM_SAMPLER_GRAPH_MIXED with top_k=4, top_p=0.9 (the setting RL rollouts use): the first step's masks and
+    """Sampler graphs of steps with prefills with top_k=4, top_p=0.9 (the setting RL rollouts use): the first step's masks and
     top logprobs depend on the logits only, not on the draw, so they equal the unpadded sampler's; every sampled
     token lies in its mask. (The draws differ: the padded sampler draws for the padding rows too.)"""
     params = SamplingParams(temperature=1.0, top_k=4, top_p=0.9, logprobs=1, max_tokens=16, ignore_eos=True)
@@ -579,7 +582,7 @@ def _per_request_sampled(outputs: list[Any]) -> list[dict[str, tuple[Any, ...]]]
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_sampler_graph_of_prefill_steps_matches_eager() -> None:
-    """VLLM_SAMPLER_GRAPH_MIXED on CUDA: the prefill steps' last hidden states go into the decode graph's static
+    """Sampler graphs of steps with prefills on CUDA: the prefill steps' last hidden states go into the decode graph's static
     output and the captured sampler graph of the padded size runs over them; tokens, logprobs and masks equal
     the eager runner's (top_k=1: exact)."""
     params = SamplingParams(temperature=1.0, top_k=1, logprobs=1, max_tokens=16, ignore_eos=True)

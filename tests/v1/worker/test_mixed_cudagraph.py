@@ -1,4 +1,4 @@
-"""Mixed steps (prefills among decodes) as CUDA graphs (VLLM_MIXED_CUDA_GRAPH=1): which graphs the runner
+"""Mixed steps (prefills among decodes) as CUDA graphs (ModelRunner.use_mixed_cuda_graph): which graphs the runner
 captures, in which order and pool, which size each step replays, and that replayed steps give the unpadded
 eager runner's logits, tokens, logprobs, masks and KV cache.
 
@@ -65,10 +65,11 @@ class _ReplayingGraphs(CudaGraphManager):
 def _graph_runner(monkeypatch: pytest.MonkeyPatch, switch: bool, backend: str = "TORCH",
                   mixed_sizes: list[int] = MIXED_SIZES, fake_cuda: bool = True, **kwargs: Any
                   ) -> tuple[ModelRunner, Any, list[tuple[str, Any]]]:
-    """A CPU runner with VLLM_MIXED_CUDA_GRAPH set to `switch`, graphs on as on CUDA (`fake_cuda`) and captured
-    by _ReplayingGraphs; returns it, its logits recorder (or the sampler) and the capture/replay log."""
-    monkeypatch.setenv("VLLM_MIXED_CUDA_GRAPH", "1" if switch else "0")
+    """A CPU runner with mixed graphs captured or not (`switch`: the runner's test-only capture_mixed_graphs),
+    graphs on as on CUDA (`fake_cuda`) and captured by _ReplayingGraphs; returns it, its logits recorder (or the
+    sampler) and the capture/replay log."""
     runner, recorder = _runner("cpu", capture_sizes=DECODE_SIZES, **kwargs)
+    runner.capture_mixed_graphs = switch
     runner.use_cuda_graph = fake_cuda
     log: list[tuple[str, Any]] = []
     runner.cudagraphs = _ReplayingGraphs(DECODE_SIZES, "decode", log)
@@ -155,7 +156,7 @@ def test_mixed_graphs_sampler_outputs_match_eager(monkeypatch: pytest.MonkeyPatc
 
 
 def test_switch_off_captures_and_pads_no_mixed_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """VLLM_MIXED_CUDA_GRAPH=0 with CUDA graphs on: only the decode sizes are captured (their own pool), mixed
+    """Mixed graphs turned off (capture_mixed_graphs) with CUDA graphs on: only the decode sizes are captured (their own pool), mixed
     steps are neither padded nor replayed, and the outputs are the eager run's."""
     runner, _, log = _graph_runner(monkeypatch, False)
     ref, _ = _reference("TORCH")
@@ -172,7 +173,7 @@ def test_switch_off_captures_and_pads_no_mixed_step(monkeypatch: pytest.MonkeyPa
 
 
 def test_switch_on_without_cuda_graphs_stays_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """VLLM_MIXED_CUDA_GRAPH=1 but CUDA graphs off (CPU, enforce_eager or the torch backend): nothing is captured,
+    """Mixed graphs asked for but CUDA graphs off (CPU, enforce_eager or the torch backend): nothing is captured,
     padded or replayed."""
     runner, _, log = _graph_runner(monkeypatch, True, fake_cuda=False)
     ref, _ = _reference("TORCH")
@@ -213,7 +214,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 
 def _cuda_runners(monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> tuple[ModelRunner, Any, ModelRunner, Any]:
     """An unpadded eager runner and one with mixed and decode graphs (mixed sizes MIXED_SIZES) captured."""
-    monkeypatch.setenv("VLLM_MIXED_CUDA_GRAPH", "1")
     eager, eager_rec = _runner("cuda", enforce_eager=True, **kwargs)
     graphs, graph_rec = _runner("cuda", enforce_eager=False, capture_sizes=DECODE_SIZES, **kwargs)
     assert graphs.use_mixed_cuda_graph and not eager.use_mixed_cuda_graph
@@ -255,7 +255,6 @@ def test_cuda_mixed_graph_memory_is_kept_out_of_the_kv_cache(monkeypatch: pytest
     """Qwen2.5-1.5B's shapes (dummy weights), a 2048-token budget: what capture takes from the device (the graph
     pool, mixed and decode, and the shared output) is at most what determine_num_blocks kept out of the KV cache
     for it, within 10% and 64 MiB (allocator segments, kernel modules)."""
-    monkeypatch.setenv("VLLM_MIXED_CUDA_GRAPH", "1")
     model = Path(__file__).parents[3] / "benchmarks" / "configs" / "qwen2.5-1.5b-instruct"
     config = VllmConfig(
         model_config=ModelConfig(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",

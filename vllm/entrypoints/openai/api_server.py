@@ -38,7 +38,6 @@ import hmac
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import shutil
 import signal
 import socket
@@ -58,7 +57,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vllm
 from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
-from vllm.profiling import maybe_cprofile
 from vllm.entrypoints.openai.admin import attach_admin_router
 from vllm.entrypoints.openai.graceful_shutdown import (DEFAULT_SHUTDOWN_TIMEOUT_S, FLUSH_S, GracefulServer,
                                                        ServerDrain)
@@ -82,14 +80,11 @@ from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, launch_engine_core
-from vllm.v1.metrics.gc_timing import GcTimer
 from vllm.v1.serving_gc import freeze_startup_heap
 
 logger = logging.getLogger("vllm.entrypoints.openai.api_server")
 
 _PROTECTED_PREFIXES = ("/v1", "/inference")
-# VLLM_ENGINE_STEP_TIMING: seconds between two GC-pause log lines of an API server.
-_GC_TIMING_LOG_S = 5.0
 
 
 def _error(message: str, status_code: int, err_type: str, param: str | None = None) -> JSONResponse:
@@ -409,21 +404,10 @@ async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
-async def _log_gc_pauses() -> None:
-    """VLLM_ENGINE_STEP_TIMING=1: this API server's garbage-collection pauses, one log line every few seconds."""
-    timer = GcTimer().install()
-    try:
-        while True:
-            await asyncio.sleep(_GC_TIMING_LOG_S)
-            logger.info("API server %d GC: %s", os.getpid(), timer.report())
-    finally:
-        timer.uninstall()
-
-
 def make_vllm_config(args: argparse.Namespace) -> VllmConfig:
     vllm_config = EngineArgs.from_cli_args(args).create_engine_config()
-    # NOTE: the server streams masks as JSON, formatted on the device unless VLLM_SAMPLING_MASK_TEXT=0.
-    vllm_config.model_config.sampling_mask_text = envs.VLLM_SAMPLING_MASK_TEXT
+    # NOTE: the server sends masks as JSON text formatted on the device (vllm/v1/sample/ops/mask_json.py).
+    vllm_config.model_config.sampling_mask_text = True
     return vllm_config
 
 
@@ -461,12 +445,9 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
                                 timeout_graceful_shutdown=int(grace_s + FLUSH_S) + 1, timeout_keep_alive=5)
         server = GracefulServer(config, engine, app.state.drain, grace_s)
         watchdog = asyncio.create_task(_watch_engine(engine, server))
-        gc_log = asyncio.create_task(_log_gc_pauses()) if envs.VLLM_ENGINE_STEP_TIMING else None
-        with maybe_cprofile(f"api_server_{os.getpid()}"), _stop_signals_absorbed():
+        with _stop_signals_absorbed():
             await server.serve(sockets=[sock] if sock is not None else None)
         watchdog.cancel()
-        if gc_log is not None:
-            gc_log.cancel()
         if engine.errored:
             return 1
         return 0 if server.started else 1

@@ -99,9 +99,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     weight_version: str | None = None
 
     def resolve_step_rows(self) -> None:
-        """Build deferred sampling masks now (a PendingStepMasks in step_masks, VLLM_ENGINE_DEFER_MASK_LISTS) and
-        fill in the step's mask statistics; a no-op otherwise. The engine core calls it after launching the next
-        steps and before it sends or hands on these outputs."""
+        """Build deferred sampling masks now (a PendingStepMasks in step_masks) and
+        fill in the step's mask statistics; a no-op otherwise. The engine core calls it before it sends or hands
+        on these outputs (the next step is already launched)."""
         resolve = getattr(self.step_masks, "resolve", None)
         if resolve is None:
             return

@@ -13,12 +13,10 @@ Invariants:
 - `has_unfinished_requests()` stays true while a step is in flight, so callers keep stepping until the queue
   has drained.
 
-Launching ahead (`launch_ahead()`, VLLM_ENGINE_LAUNCH_AHEAD=1): the caller refills the queue right after `step()`
-returned step N's outputs, before it sends or processes them; the queue order is unchanged (step N+2 is still
-scheduled after step N's update), only the host work on step N's outputs moves from before the launch of step
-N+2 to after it, off the path that keeps the device fed. With VLLM_ENGINE_DEFER_MASK_LISTS the step's
-sampling-mask lists move there too: `step()` then returns them pending (a PendingStepMasks), and the caller
-builds them with `EngineCoreOutputs.resolve_step_rows()` before it hands the outputs on.
+Deferred mask lists: a step's sampling-mask lists are built when its outputs are handed on, not by the output
+thread: `step()` returns them pending (a PendingStepMasks) and the caller builds them with
+`EngineCoreOutputs.resolve_step_rows()` (the engine-core process when it sends them, the in-process client when
+the frontend takes them).
 
 The RL lifecycle (docs/rl.md) runs here, between steps, as utility calls (`UTILITY_METHODS`; the engine-core
 process and the in-process client call them by name):
@@ -40,19 +38,16 @@ sends them before anything else, and before the call's result.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from vllm import envs
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStepError,
                              FinishReason)
-from vllm.v1.metrics.step_timing import StepTimer
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
 from vllm.v1.worker.worker import Worker, make_worker
@@ -72,17 +67,12 @@ class EngineCore:
         self.worker.compile_or_warm_up_model()
         self.num_gpu_blocks = num_blocks
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
-        # VLLM_ENGINE_LAUNCH_AHEAD (an experiment, off by default), with async scheduling only: see `launch_ahead`.
-        self.launches_ahead = self.async_scheduling and envs.VLLM_ENGINE_LAUNCH_AHEAD
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(vllm_config, num_blocks)
         self.batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput]] = deque()
-        self.step_timer = StepTimer()
         copier = getattr(getattr(self.worker, "model_runner", None), "output_copier", None)
         if copier is not None:
-            copier.timer = self.step_timer
-            copier.device_timing = envs.VLLM_ENGINE_STEP_TIMING
-            copier.defer_mask_lists = envs.VLLM_ENGINE_DEFER_MASK_LISTS
+            copier.defer_mask_lists = True  # module docstring: "Deferred mask lists"
         self._init_lifecycle()
 
     def _init_lifecycle(self) -> None:
@@ -111,55 +101,29 @@ class EngineCore:
         # NOTE: a step with only finished ids still runs, so the runner drops aborted requests' rows.
         if not self.scheduler.has_requests():
             return EngineCoreOutputs()
-        timer = self.step_timer
-        t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        t1 = time.perf_counter()
         model_output = self.worker.execute_model(scheduler_output)
-        t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         outputs.weight_version = self.weight_version
-        timer.add("schedule", t1 - t0)
-        timer.add("launch", t2 - t1)  # synchronous: the whole forward and the output lists
-        timer.add("update", time.perf_counter() - t2)
-        timer.count_step(len(scheduler_output.num_scheduled_tokens))
         return outputs
 
-    def launch_ahead(self) -> None:
-        """With async scheduling and VLLM_ENGINE_LAUNCH_AHEAD: schedule and launch steps until the batch queue is
-        full, now rather than at the start of the next `step()`. A caller that holds a step's outputs calls it
-        before handing them on (sending, detokenizing), so that the device gets the step after next while the
-        host does that work; without the switch (or async scheduling) it does nothing."""
-        if self.launches_ahead:
-            self._fill_batch_queue()
-
     def step_with_batch_queue(self) -> EngineCoreOutputs:
-        queue, timer = self.batch_queue, self.step_timer
+        queue = self.batch_queue
         self._fill_batch_queue()
         if not queue:
             return EngineCoreOutputs()
         scheduler_output, future = queue.popleft()
-        t0 = time.perf_counter()
-        model_output = future.get_output()
-        t1, c1 = time.perf_counter(), time.thread_time()
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, future.get_output())
         outputs.weight_version = self.weight_version
-        timer.add("wait", t1 - t0)
-        timer.add("update", time.perf_counter() - t1, time.thread_time() - c1)
-        timer.count_step(len(scheduler_output.num_scheduled_tokens))
         return outputs
 
     def _fill_batch_queue(self) -> None:
-        queue, timer = self.batch_queue, self.step_timer
+        queue = self.batch_queue
         while len(queue) < _BATCH_QUEUE_SIZE and self.scheduler.has_requests():
-            t0, c0 = time.perf_counter(), time.thread_time()
             scheduler_output = self.scheduler.schedule()
-            t1, c1 = time.perf_counter(), time.thread_time()
             has_tokens = scheduler_output.total_num_scheduled_tokens > 0
             if has_tokens or scheduler_output.finished_req_ids:
                 queue.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
-            timer.add("schedule", t1 - t0, c1 - c0)
-            timer.add("launch", time.perf_counter() - t1, time.thread_time() - c1)
             if not has_tokens:
                 break
 

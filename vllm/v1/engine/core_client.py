@@ -141,7 +141,6 @@ class InprocClient(EngineCoreClient):
             outputs = pending.popleft()
         else:
             outputs = self.engine_core.step()
-            self.engine_core.launch_ahead()  # the device runs the next steps while the frontend processes these
         outputs.materialize_step_rows()
         return outputs
 

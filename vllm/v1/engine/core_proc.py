@@ -19,16 +19,14 @@ kwargs)` (one of EngineCore.UTILITY_METHODS, or "shutdown"). Frames to a fronten
 Invariants:
 - Every input that is waiting is handled before the next step, so an ABORT frees its KV blocks before the
   blocks are used again; after an abort that left the core idle, one stats-only output reports the new KV usage.
-- A step's outputs are sent as soon as `step()` returns them; with launch-ahead (`engine_core.launches_ahead`)
-  on the next turn of the loop instead, after the inputs that came meanwhile and `engine_core.launch_ahead()`
-  (which launches the step after next), and always before the core blocks waiting for input or stops.
+- A step's outputs are sent as soon as `step()` returns them, their deferred mask lists built first.
 - With several clients, each request's outputs go to the client named by its `client_index` and only there;
   scheduler stats go to every client. An ADD whose request id is already running (two API servers given the
   same id) is refused with an ABORT-finished output to its own client; the running request is untouched, also
   by an ABORT of that id from the refused client (a client aborts only its own requests).
-- A utility call runs between steps. Its result is sent after every output of the steps before it (a step held
-  by launch-ahead, the steps it drained, the aborts of a pause: EngineCore.pending_outputs); a result that is a
-  `Deferred` (pause) once ready, checked after every step.
+- A utility call runs between steps. Its result is sent after every output of the steps before it (the steps
+  it drained, the aborts of a pause: EngineCore.pending_outputs); a result that is a `Deferred` (pause) once
+  ready, checked after every step.
 - The loop ends when the parent process is gone (a watcher thread turns its exit into SIGTERM at once, whatever
   the loop is doing; the core then removes the sockets' folder the parent left), on SIGTERM/SIGINT, or on
   SHUTDOWN.
@@ -37,13 +35,11 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import math
 import os
 import pickle
 import select
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -53,12 +49,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from vllm import envs
 from vllm.config import VllmConfig
-from vllm.profiling import maybe_cprofile
 from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
                              EngineStepError, FinishReason)
-from vllm.v1.metrics.gc_timing import GcTimer
 from vllm.v1.serving_gc import freeze_startup_heap
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -70,13 +63,11 @@ ERROR = b"E"
 UTILITY_RESULT = b"U"
 # NOTE: how long an idle core waits for input before checking that its parent is still alive.
 _IDLE_POLL_MS = 1000
-# VLLM_ENGINE_STEP_TIMING: seconds between two step-timing log lines.
-_STEP_TIMING_LOG_S = 5.0
 
 
 class EngineCoreProc:
     """Owns the sockets and the loop; `engine_core` is anything with EngineCore's four methods (add_request,
-    abort_requests, has_unfinished_requests, step), and optionally its `launches_ahead` and `launch_ahead`."""
+    abort_requests, has_unfinished_requests, step)."""
 
     # Utility calls whose result is not ready yet: (client, call id, Deferred); replaced, never mutated in place.
     deferred_calls: tuple[tuple[int, int, Deferred], ...] = ()
@@ -84,8 +75,6 @@ class EngineCoreProc:
     def __init__(self, engine_core: Any, input_addresses: list[str], output_addresses: list[str],
                  parent_pid: int) -> None:
         self.engine_core = engine_core
-        # EngineCore.launch_ahead is on (VLLM_ENGINE_LAUNCH_AHEAD with async scheduling): see _busy_loop.
-        self.launches_ahead = bool(getattr(engine_core, "launches_ahead", False))
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
@@ -102,17 +91,15 @@ class EngineCoreProc:
         self.request_decoder = MsgpackDecoder(EngineCoreRequest)
         self.generic_decoder = MsgpackDecoder()
         self.should_stop = False
-        # VLLM_ENGINE_SEND_COPY: every output frame copied by pyzmq (an experiment; zero-copy by default).
-        self.send_copy = envs.VLLM_ENGINE_SEND_COPY
 
     def send(self, kind: bytes, payload: Any, client: int = 0) -> None:
-        self.output_sockets[client].send_multipart((kind, *self.encoder.encode_frames(payload)),
-                                                   copy=self.send_copy)
+        # NOTE: zero-copy frames; sending them copied measured no gain on the H200 (docs/benchmarks.md history).
+        self.output_sockets[client].send_multipart((kind, *self.encoder.encode_frames(payload)), copy=False)
 
     def broadcast(self, kind: bytes, payload: Any) -> None:
         frames = (kind, *self.encoder.encode_frames(payload))
         for socket in self.output_sockets:
-            socket.send_multipart(frames, copy=self.send_copy)
+            socket.send_multipart(frames, copy=False)
 
     def send_outputs(self, outputs: EngineCoreOutputs) -> None:
         """One step's outputs: as they are with one client, else split by each request's client."""
@@ -228,7 +215,7 @@ class EngineCoreProc:
         except Exception as e:  # an unpicklable result or exception: its text
             ok, body = False, pickle.dumps(RuntimeError(f"{type(value).__name__}: {value} (not picklable: {e})"))
         self.output_sockets[client].send_multipart((UTILITY_RESULT, self.encoder.encode((call_id, ok, text)), body),
-                                                   copy=self.send_copy)
+                                                   copy=False)
 
     def _send_pending(self) -> None:
         pending = getattr(self.engine_core, "pending_outputs", None)
@@ -261,76 +248,26 @@ class EngineCoreProc:
             aborted |= self._handle_input(frames)
 
     def run_busy_loop(self) -> None:
-        timer = getattr(self.engine_core, "step_timer", None)
-        log_every = _STEP_TIMING_LOG_S if timer is not None and envs.VLLM_ENGINE_STEP_TIMING else None
-        # With the step timing, the core's garbage-collection pauses too (one line per window).
-        gc_timer = GcTimer().install() if log_every is not None else None
-        try:
-            self._busy_loop(timer, log_every, gc_timer)
-        finally:
-            if gc_timer is not None:
-                gc_timer.uninstall()
-
-    def _busy_loop(self, timer: Any, log_every: float | None, gc_timer: GcTimer | None) -> None:
-        last_log = time.monotonic()
-        # With launch-ahead a step's outputs are held here from its update to the next turn of the loop: they are
-        # sent after the inputs that came meanwhile were applied and after the step after next was launched.
-        # Without it they are sent at once, as soon as the step returns them.
-        holds = self.launches_ahead
-        outputs: EngineCoreOutputs | None = None
         while not self.should_stop:
             idle = not self.engine_core.has_unfinished_requests()
-            t0 = time.perf_counter()
-            aborted = self._process_inputs(block=idle and outputs is None)
+            aborted = self._process_inputs(block=idle)
             if self.should_stop:
-                if outputs is not None:
-                    self._send_step(outputs, timer)
                 break
-            if idle and outputs is None and timer is not None:
-                timer.restart_if_empty()
             if getattr(self.engine_core, "pending_outputs", None):
-                # NOTE: a utility call drained steps or aborted requests: their outputs after the step held.
-                if outputs is not None:
-                    self._send_step(outputs, timer)
-                    outputs = None
+                # NOTE: a utility call drained steps or aborted requests: their outputs before the next step's.
                 self._send_pending()
-            busy = self.engine_core.has_unfinished_requests()
-            t1 = time.perf_counter()
-            if outputs is not None:
-                if busy:
-                    self.engine_core.launch_ahead()
-                self._send_step(outputs, timer)
-                # NOTE: not kept through the next step: its masks may be views of a lending staging slot
-                # (vllm/v1/worker/async_output.py) that the next step could otherwise take.
-                outputs = None
-            if busy:
-                if timer is not None and not idle:  # an idle core blocked for its first request: not a step's
-                    timer.add("inputs", t1 - t0)
-                outputs = self.engine_core.step()
-                if not holds:
-                    self._send_step(outputs, timer)
-                    outputs = None
+            if self.engine_core.has_unfinished_requests():
+                self._send_step(self.engine_core.step())
             elif aborted:
                 self.broadcast(OUTPUTS, EngineCoreOutputs(scheduler_stats=self._stats()))
             if self.deferred_calls and any(d.ready() for _, _, d in self.deferred_calls):
-                if outputs is not None:  # NOTE: a step held by launch-ahead goes before the results
-                    self._send_step(outputs, timer)
-                    outputs = None
                 self._poll_deferred()
-            # Every few seconds, and when the core goes idle.
-            if log_every is not None and timer.steps and (time.monotonic() - last_log >= log_every
-                                                          or not self.engine_core.has_unfinished_requests()):
-                last_log = time.monotonic()
-                logger.info("Engine step timing: %s", timer.report())
-                if gc_timer is not None:
-                    logger.info("Engine core GC: %s", gc_timer.report())
 
-    def _send_step(self, outputs: EngineCoreOutputs, timer: Any) -> None:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        outputs.resolve_step_rows()  # deferred mask lists (VLLM_ENGINE_DEFER_MASK_LISTS) built now
+    def _send_step(self, outputs: EngineCoreOutputs) -> None:
+        # NOTE: sent at once, not kept through the next step: its masks may be views of a lending staging slot
+        # (vllm/v1/worker/async_output.py) that the next step could otherwise take.
+        outputs.resolve_step_rows()  # the step's deferred mask lists built now
         self.send_outputs(outputs)
-        if timer is not None:
-            timer.add("send", time.perf_counter() - t0, time.thread_time() - c0)
 
     def _stats(self) -> Any:
         scheduler = getattr(self.engine_core, "scheduler", None)
@@ -377,12 +314,6 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
     exit_code = 0
     try:
         try:
-            interval_ms = envs.VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS
-            if interval_ms is not None:
-                if not (interval_ms > 0 and math.isfinite(interval_ms)):
-                    raise ValueError("VLLM_ENGINE_GIL_SWITCH_INTERVAL_MS must be a finite number > 0, "
-                                     f"got {interval_ms}")
-                sys.setswitchinterval(interval_ms / 1e3)
             _init_default_process_group()
             if engine_core_factory is None:
                 from vllm.v1.engine.core import EngineCore
@@ -399,8 +330,7 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
         freeze_startup_heap()
         proc.broadcast(READY, {"num_gpu_blocks": int(getattr(engine_core, "num_gpu_blocks", 0) or 0),
                           "pid": os.getpid()})
-        with maybe_cprofile(f"engine_core_{os.getpid()}"):
-            proc.run_busy_loop()
+        proc.run_busy_loop()
     except SystemExit:
         pass
     except Exception:

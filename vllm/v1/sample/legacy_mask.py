@@ -1,4 +1,4 @@
-"""The pre-change sampling-mask path (benchmarks only, VLLM_SAMPLING_MASK_LEGACY_PATH=1): isfinite() of the
+"""The pre-change sampling-mask path (benchmarks only: Sampler(legacy_sampling_mask=True)): isfinite() of the
 processed logits packed into a [num_reqs, ceil(V/8)] bitmask on the device, the whole bitmask copied to the host
 every step and unpacked there with np.unpackbits + np.nonzero, as upstream did before the support was compacted
 on the device. `legacy_pack_sampling_mask` (and `pack_bool_mask`) also give the compaction's torch fallback its

@@ -36,8 +36,8 @@ Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where s
 
 The pre-change path (vllm/v1/sample/legacy_mask.py: `legacy_pack_sampling_mask` + `legacy_unpack_sampling_mask`,
 or both in `legacy_sampling_mask_lists`) packs isfinite() on the device, copies the full bitmask and unpacks it with
-np.unpackbits + np.nonzero over [num_reqs, V] on the host; the runner selects it with
-VLLM_SAMPLING_MASK_LEGACY_PATH, benchmarks compare against it.
+np.unpackbits + np.nonzero over [num_reqs, V] on the host; a Sampler built with
+`legacy_sampling_mask=True` runs it (a benchmark-only hook: benchmarks/kernels compare against it).
 """
 
 from __future__ import annotations

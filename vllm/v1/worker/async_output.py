@@ -15,7 +15,7 @@ Invariants:
   live until the engine core's ZMQ frames are sent, so a few slots go round; a consumer that keeps its outputs
   keeps its slots, and when all _MAX_LENDING_SLOTS are kept the masks go to the step's alternating slot and are
   copied out as above.
-- With `defer_mask_lists` (VLLM_ENGINE_DEFER_MASK_LISTS, on in the engine by default) a lending slot's masks
+- With `defer_mask_lists` (set by the engine core; off for a runner used alone) a lending slot's masks
   (on CPU: any step's) are not turned into lists by the output thread: the output carries them as
   DeferredMasks, built by the engine core when it sends the step (in process: when the caller takes the
   outputs), after launching the next ones; the slot stays pending until then. The output thread still waits for their
@@ -28,7 +28,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -80,7 +79,7 @@ class AsyncOutputCopier:
         self.mask_text = mask_text
         # Copy the masks' ids to the host; False (with mask_text only): the text and the counts alone, the lists
         # then carry each row's size and no ids (SamplingMaskLists.token_ids None), all an API server's engine
-        # core needs (VLLM_SAMPLING_MASK_COPY_IDS=0).
+        # core needs (the default there: mask_ids_needed in vllm/v1/sample/sampling_mask.py).
         if not (mask_ids or mask_text):
             raise ValueError("mask_ids=False needs mask_text=True.")
         self.mask_ids = mask_ids
@@ -93,25 +92,10 @@ class AsyncOutputCopier:
         self._lending: list[HostStagingSlot] = []
         self._next_slot = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-output") if use_thread else None
-        # The engine core's StepTimer (vllm/v1/metrics/step_timing.py), when it has one.
-        self.timer: Any = None
-        # VLLM_ENGINE_DEFER_MASK_LISTS: a step's mask lists are built on the engine's main thread when its outputs
-        # are sent (DeferredMasks), not by the output thread before the step's update; only for masks in a lending
-        # slot (or on CPU), whose memory no later step takes while they are pending.
+        # Set by the engine core (vllm/v1/engine/core.py): a step's mask lists are built on the engine's main
+        # thread when its outputs are sent (DeferredMasks), not by the output thread before the step's update; only
+        # for masks in a lending slot (or on CPU), whose memory no later step takes while they are pending.
         self.defer_mask_lists = False
-        # VLLM_ENGINE_STEP_TIMING on CUDA: each step's device time and the compute stream's idle time before it,
-        # from timing events around the step's device work (`step_started` to `submit`), into the timer.
-        self.device_timing = False
-        self._step_start: torch.cuda.Event | None = None
-        self._prev_end: torch.cuda.Event | None = None
-
-    def step_started(self) -> None:
-        """Mark the start of a step's device work on the current stream (with `device_timing` on CUDA); the
-        runner calls it once the step's inputs are prepared, right before its forward, and `submit` after its
-        last device operation."""
-        if self.device_timing and self.copy_stream is not None:
-            self._step_start = torch.cuda.Event(enable_timing=True)
-            self._step_start.record()
 
     def submit(self, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor, logprobs: Any,
                sampling_mask: Any, on_ready: Callable[[np.ndarray], None],
@@ -123,19 +107,11 @@ class AsyncOutputCopier:
         event = None
         host_sampled, host_logprobs = sampled, logprobs
         slot = None
-        device_events = None
         mask_copy = lent = None
         if self.copy_stream is not None:
             slot, event = self._slots[self._next_slot], self._events[self._next_slot]
             self._next_slot ^= 1
-            compute = torch.cuda.current_stream(self.device)
-            if self._step_start is not None:
-                # NOTE: recorded before the copy stream waits for the compute stream, so `event` implies it.
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(compute)
-                device_events = (self._prev_end, self._step_start, end)
-                self._prev_end, self._step_start = end, None
-            self.copy_stream.wait_stream(compute)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 host_sampled = slot.copy(sampled, "sampled")
                 if logprobs is not None:
@@ -152,15 +128,15 @@ class AsyncOutputCopier:
         if isinstance(mask_copy, SamplingMaskCopy) and self.defer_mask_lists and (lent is not None or slot is None):
             # NOTE: the output thread still waits for the mask's copies (a later step's sampler graph rewrites the
             # device buffers they read once the engine has this output), but leaves the lists and the slot.
-            deferred, lent = DeferredMasks(mask_copy, lent, self.timer), None
+            deferred, lent = DeferredMasks(mask_copy, lent), None
         # What the lists are built from.
-        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent, row_settings, device_events, deferred)
+        args = (req_ids, samples, host_sampled, host_logprobs, mask_copy, lent, row_settings, deferred)
         keep_alive = (sampled, logprobs, sampling_mask)
         if self._executor is None:
-            output, sampled_np = _build_output(event, *args, self.timer)
+            output, sampled_np = _build_output(event, *args)
             on_ready(sampled_np)
             return AsyncModelRunnerOutput.ready(output)
-        future = self._executor.submit(_build_output, event, *args, self.timer)
+        future = self._executor.submit(_build_output, event, *args)
         return AsyncModelRunnerOutput(future, None, on_ready, keep_alive)
 
     def _copy_mask(self, sampling_mask: Any, slot: HostStagingSlot | None, stream: torch.cuda.Stream | None
@@ -168,7 +144,6 @@ class AsyncOutputCopier:
         """Start the sampling mask's host copy (on `stream`, the current copy stream, on CUDA) into a free lending
         slot, else into the step's `slot`; returns the copy and the lending slot it took (pending until the step's
         mask lists are built: by the output thread, or deferred, by the engine core; see the module docstring)."""
-        t0 = time.perf_counter()
         lent = self._lending_slot() if slot is not None else None
         if lent is not None:
             lent.pending = True  # until this step's mask lists are built (or given up)
@@ -179,10 +154,6 @@ class AsyncOutputCopier:
             if lent is not None:
                 lent.pending = False  # any copy it queued runs before the next step's on the copy stream
             raise
-        if self.timer is not None:
-            self.timer.add("launch.mask", time.perf_counter() - t0)
-            if lent is None and slot is not None:
-                self.timer.count("mask.copied")
         return mask_copy, lent
 
     def _lending_slot(self) -> HostStagingSlot | None:
@@ -207,8 +178,8 @@ class DeferredMasks:
     gives up on them; either one, once, frees the lending slot for reuse by later steps (until then it is
     pending, so no step copies into it)."""
 
-    def __init__(self, copy: Any, lent: HostStagingSlot | None, timer: Any) -> None:
-        self.copy, self.lent, self.timer = copy, lent, timer
+    def __init__(self, copy: Any, lent: HostStagingSlot | None) -> None:
+        self.copy, self.lent = copy, lent
         # Built or released: the slot is no longer pending.
         self.done = False
         # The lists when the output thread had to build them anyway (`build_now_if_overflow`).
@@ -225,7 +196,6 @@ class DeferredMasks:
 
     def build(self) -> tuple[SamplingMaskLists, Any]:
         assert not self.done, "deferred masks are built once"
-        t0 = time.perf_counter()
         try:
             if self._built is not None:
                 return self._built
@@ -233,8 +203,6 @@ class DeferredMasks:
             return lists, self.copy.text_lists(lists)
         finally:
             self.release()
-            if self.timer is not None:
-                self.timer.add("send.masks", time.perf_counter() - t0)
 
     def release(self) -> None:
         if self.done:
@@ -258,15 +226,12 @@ class DeferredMasks:
 
 def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
                   logprobs: Any, mask_copy: Any, lent: HostStagingSlot | None,
-                  row_settings: StepRowSettings | None = None, device_events: Any = None,
-                  deferred: DeferredMasks | None = None, timer: Any = None) -> tuple[ModelRunnerOutput, np.ndarray]:
+                  row_settings: StepRowSettings | None = None,
+                  deferred: DeferredMasks | None = None) -> tuple[ModelRunnerOutput, np.ndarray]:
     """The output thread's job (or the caller's without one): wait for the copies, then build the lists (the
     masks' only when they are not `deferred`)."""
     try:
-        output = _build_lists(event, req_ids, samples, sampled, logprobs, mask_copy, deferred, row_settings, timer)
-        if device_events is not None and timer is not None:
-            _add_device_times(timer, *device_events)
-        return output
+        return _build_lists(event, req_ids, samples, sampled, logprobs, mask_copy, deferred, row_settings)
     except BaseException:
         if deferred is not None:
             with contextlib.suppress(Exception):  # the original error is the one to report
@@ -277,32 +242,13 @@ def _build_output(event: torch.cuda.Event | None, req_ids: list[str], samples: n
             lent.pending = False  # from now on the views of its masks (if any) keep it in use
 
 
-# NOTE: a longer idle compute stream before a step is the engine waiting for requests, not a step's cost.
-_MAX_DEVICE_GAP_S = 1.0
-
-
-def _add_device_times(timer: Any, prev_end: torch.cuda.Event | None, start: torch.cuda.Event,
-                      end: torch.cuda.Event) -> None:
-    """`dev.step`: the step's device work from its forward to its sampler's last operation (compute stream);
-    `dev.gap`: the compute stream idle between the previous step's last operation and this step's forward, i.e.
-    the device waiting for the host (and the step's input copies). Called once the step's copies are done (so
-    `end` has completed)."""
-    timer.add("dev.step", start.elapsed_time(end) / 1e3)
-    if prev_end is not None:
-        gap = prev_end.elapsed_time(start) / 1e3
-        if gap < _MAX_DEVICE_GAP_S:
-            timer.add("dev.gap", max(gap, 0.0))
-
-
 def _build_lists(event: torch.cuda.Event | None, req_ids: list[str], samples: np.ndarray, sampled: torch.Tensor,
                  logprobs: Any, mask_copy: Any, deferred: DeferredMasks | None,
-                 row_settings: StepRowSettings | None, timer: Any) -> tuple[ModelRunnerOutput, np.ndarray]:
-    t0 = time.perf_counter()
+                 row_settings: StepRowSettings | None) -> tuple[ModelRunnerOutput, np.ndarray]:
     if event is not None:
         event.synchronize()
     if mask_copy is not None:
         mask_copy.wait()
-    t1 = time.perf_counter()
     sampled_np = sampled.numpy()
     sampled_token_ids = [[t] if s else [] for t, s in zip(sampled_np.tolist(), samples.tolist())]
     logprobs_lists: LogprobsLists | None = None
@@ -320,7 +266,4 @@ def _build_lists(event: torch.cuda.Event | None, req_ids: list[str], samples: np
     output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                sampled_token_ids=sampled_token_ids, logprobs=logprobs_lists, sampling_masks=masks,
                                sampling_mask_text=text, pending_masks=deferred, row_settings=row_settings)
-    if timer is not None:
-        timer.add("out.event", t1 - t0)
-        timer.add("out.lists", time.perf_counter() - t1)
     return output, sampled_np

@@ -20,15 +20,15 @@ Invariants:
   after the step was launched, and the engine launches step N+2 only after step N's `get_output()` returned
   (the batch queue is two deep), by which time the output thread has waited for all of step N's copies and
   built every list that reads a static output directly (its mask lists too when they overflow K; deferred mask
-  lists, VLLM_ENGINE_DEFER_MASK_LISTS, read only the host copies), so the set that step N+2 reuses is free.
+  lists read only the host copies), so the set that step N+2 reuses is free.
 
 Mixed steps (prefills and decodes, total tokens != num_reqs) are padded to a fixed shape, T tokens of the
 smallest mixed size >= the step's tokens (`resolve_mixed_capture_sizes`: multiples of 256 and the token budget)
 and R = max_num_seqs + 1 request rows (input_prep.py: padding requests on the scratch block hold the surplus
 tokens, the other surplus rows have zero tokens), and run as one forward graph per T when CUDA graphs are on
-(ModelRunner.use_mixed_cuda_graph; VLLM_MIXED_CUDA_GRAPH=0 turns it off). A step larger than every size runs
+(ModelRunner.use_mixed_cuda_graph). A step larger than every size runs
 unpadded and eagerly. The logits and the sampler of a mixed step run on the real rows' last tokens: as the
-sampler graph of the padded request count (VLLM_SAMPLER_GRAPH_MIXED, model_runner.py), or eagerly.
+sampler graph of the padded request count (model_runner.py), or eagerly.
 - Capture (ModelRunner.capture_model): the mixed sizes first, largest first, each on
   InputBuffers.fill_dummy_mixed(T, R) running ModelRunner._mixed_forward(T) (the model on input_ids[:T],
   positions[:T] under InputBuffers.mixed_metadata(T, R)); then the decode sizes into the same pool, so the pool
@@ -51,9 +51,9 @@ sampler graph of the padded request count (VLLM_SAMPLER_GRAPH_MIXED, model_runne
 Measured on an H200 (docs/benchmarks.md, "2026-12-03, fourth session"): the CUDA tests of this module and of
 tests/v1/worker/test_mixed_cudagraph.py pass (real graphs against eager runners; the memory capture takes against
 the reserve); with the sampler graphs of steps with prefills (model_runner.py) the serving A/B gains 3-5% at 256
-and 512 streams and ~1% at 1024 in both rounds, offline +3.3% at 512 requests (ABBA); so both are on by default
-(VLLM_MIXED_CUDA_GRAPH=0 / VLLM_SAMPLER_GRAPH_MIXED=0 turn them off). Not measured: the capture time and reserve
-at larger token budgets, finer sizes than multiples of 256.
+and 512 streams and ~1% at 1024 in both rounds, offline +3.3% at 512 requests (ABBA); so both are the only
+path whenever CUDA graphs are on. Not measured: the capture time and reserve at larger token budgets, finer sizes
+than multiples of 256.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ of the flat batch. Only rows whose scheduled tokens reach the end of their known
 chunk produces no token, no logprobs and an empty sampling-mask row.
 
 Step shape: prepare inputs (H2D copies) -> forward (a CUDA graph for pure-decode steps, and for mixed
-steps padded to a captured token count unless VLLM_MIXED_CUDA_GRAPH=0, cudagraph.py) -> logits
+steps padded to a captured token count, cudagraph.py) -> logits
 -> sampler (with the logits and the mask's host-copy packing, a second CUDA graph for those steps) -> outputs
 start their way to the host (async_output.py). `execute_model_async` returns before the outputs are on the host;
 the sampled ids stay on the device and feed the next step's input ids directly, so the next step can be launched
@@ -20,8 +20,8 @@ Invariants:
   are chosen real rows first (stable order), so padding can never take a fallback slot from a real row.
 - A mixed step padded to T tokens (a mixed CUDA graph's size, or pad_eager_mixed in tests) runs its forward
   over all T tokens and max_num_seqs + 1 request rows; its logits and sampler run on the real requests' last
-  tokens only, as an unpadded step's do (as a sampler graph, below, or eagerly with VLLM_SAMPLER_GRAPH_MIXED=0).
-- Unless VLLM_SAMPLER_GRAPH_MIXED=0, a step with prefills (mixed graph or eager forward, num_reqs <= the largest
+  tokens only, as an unpadded step's do (as a sampler graph, below, or eagerly).
+- A step with prefills (mixed graph or eager forward, num_reqs <= the largest
   capture size, at least one request sampling) samples the same way: its requests' last hidden states, then
   zero rows, go into the decode forward graph's static output of B = the padded request count, and the sampler
   graph of B runs over them; rows that do not sample this step (partial prefill chunks) are sampled too and
@@ -33,7 +33,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -42,7 +41,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm import envs
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader import get_model
@@ -87,7 +85,7 @@ class ModelRunner:
         self.model = get_model(mc, self.device, self.dtype)
         self.attn_backend = get_attn_backend(self.device)
         set_attn_backend(self.model, self.attn_backend)
-        self.sampler = Sampler(mc.logprobs_mode, legacy_sampling_mask=envs.VLLM_SAMPLING_MASK_LEGACY_PATH)
+        self.sampler = Sampler(mc.logprobs_mode)
         self.max_num_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req,
                                       self.vocab_size, self.device, self.return_sampling_mask)
@@ -101,26 +99,26 @@ class ModelRunner:
         # NOTE: tests set this to run decode steps padded exactly as for a CUDA graph, but eagerly (e.g. on CPU).
         self.pad_eager_decode = False
         # Forward graphs of mixed steps (prefills among decodes), padded to the smallest size that holds their
-        # tokens and to max_num_seqs + 1 rows; captured unless VLLM_MIXED_CUDA_GRAPH=0 (use_mixed_cuda_graph).
+        # tokens and to max_num_seqs + 1 rows; captured with CUDA graphs (use_mixed_cuda_graph).
         self.mixed_graphs = CudaGraphManager(
             resolve_mixed_capture_sizes(None, self.max_num_tokens, self.max_model_len, self.max_num_reqs), kind="mixed")
-        self._mixed_graphs_requested = envs.VLLM_MIXED_CUDA_GRAPH
+        # NOTE: a test-only hook: tests set it False to capture the decode sizes alone.
+        self.capture_mixed_graphs = True
         # [largest mixed size, hidden_size]: the hidden states every mixed graph writes (allocated at capture).
         self._mixed_hidden: torch.Tensor | None = None
         # What profile_mixed_graph_memory() kept out of the KV cache for them (logged at capture).
         self.mixed_graph_bytes = 0
         # NOTE: tests set this to run mixed steps padded exactly as for a mixed graph, but eagerly (e.g. on CPU).
         self.pad_eager_mixed = False
-        # VLLM_SAMPLER_GRAPH_MIXED (on by default): steps with prefills sample as sampler graphs.
-        self.sample_mixed_graphed = envs.VLLM_SAMPLER_GRAPH_MIXED
-        # Logits + sampler of graphed decode steps (VLLM_SAMPLER_CUDA_GRAPH=0: eager); tests that wrap the sampler
-        # set it to None, or to SamplerGraphs(capture=False) to run the padded sampler eagerly.
+        # Steps with prefills sample as sampler graphs (module docstring); tests set it False to sample them eagerly.
+        self.sample_mixed_graphed = True
+        # Logits + sampler of graphed decode steps; tests that wrap the sampler set it to None, or to
+        # SamplerGraphs(capture=False) to run the padded sampler eagerly.
         self.sampler_graphs: SamplerGraphs | None = (
-            SamplerGraphs(self.cudagraphs.capture_sizes) if self.use_cuda_graph and envs.VLLM_SAMPLER_CUDA_GRAPH
-            else None)
+            SamplerGraphs(self.cudagraphs.capture_sizes) if self.use_cuda_graph else None)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         mask_text = mc.return_sampling_mask and mc.sampling_mask_text
-        mask_ids = envs.VLLM_SAMPLING_MASK_COPY_IDS or mask_ids_needed(mask_text, self.vocab_size)
+        mask_ids = mask_ids_needed(mask_text, self.vocab_size)
         self.output_copier = AsyncOutputCopier(self.device, use_thread=self.async_scheduling, mask_text=mask_text,
                                                mask_ids=mask_ids)
         # [num_reqs of the previous sampling step] int64, on the device
@@ -148,8 +146,8 @@ class ModelRunner:
     @property
     def use_mixed_cuda_graph(self) -> bool:
         """Mixed steps are padded and replayed as graphs: CUDA graphs are on (CUDA, not enforce_eager, the Triton
-        backend) and VLLM_MIXED_CUDA_GRAPH is not 0."""
-        return self.use_cuda_graph and self._mixed_graphs_requested
+        backend), unless a test turned capture_mixed_graphs off."""
+        return self.use_cuda_graph and self.capture_mixed_graphs
 
     @torch.inference_mode()
     def capture_model(self) -> None:
@@ -274,12 +272,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Launch one step; the returned object's `get_output()` waits for its host-side results."""
-        t0 = time.perf_counter()
         self._update_states(so)
-        timer = self.output_copier.timer
         if so.total_num_scheduled_tokens == 0:
-            if timer is not None:
-                timer.add("launch.prep", time.perf_counter() - t0)
             return AsyncModelRunnerOutput.ready(EMPTY_MODEL_RUNNER_OUTPUT)
         num_reqs = len(so.num_scheduled_tokens)
         pad_to = None
@@ -294,7 +288,7 @@ class ModelRunner:
         buffers.apply_prev_sampled(self._prev_sampled)
         graph_rows = pad_to if pad_to is not None and self.sampler_graphs is not None else None
         # A step with prefills (no forward graph) samples as the sampler graph of its padded request count, over
-        # its requests' last hidden states, with VLLM_SAMPLER_GRAPH_MIXED.
+        # its requests' last hidden states.
         # NOTE: not for a step where no request samples (only partial prompt chunks): its settings (no mask rows)
         # would make a sampler-graph key of their own, captured at every size for a step whose draws are dropped.
         mixed_rows = None
@@ -304,10 +298,6 @@ class ModelRunner:
         sample_rows = graph_rows or mixed_rows
         meta = self._sampling_metadata(inputs, sample_rows)
         buffers.record_copies()
-        # NOTE: after the host's input preparation, so that the device waiting for it counts as idle (dev.gap),
-        # not as the step's device time; the step's input copies (tens of us) count as idle too.
-        self.output_copier.step_started()
-        t1 = time.perf_counter()
         hidden, out = None, None
         if sample_rows is not None and self._sampler_graphable(meta, sample_rows):
             hidden = self._forward_rows(inputs)  # [graph_rows or the step's tokens, hidden_size]
@@ -330,14 +320,9 @@ class ModelRunner:
         if self.prompt_logprobs.requests:
             plp = self.prompt_logprobs.compute(inputs.req_ids, self.input_batch.num_computed_tokens[inputs.rows],
                                                inputs.num_scheduled, hidden, self.model.compute_logits)
-        t2 = time.perf_counter()
         result = self._finish_step(inputs, out)
         if plp is not None:
             result = WithPromptLogprobs(result, plp)  # type: ignore[assignment]
-        if timer is not None:
-            timer.add("launch.prep", t1 - t0)
-            timer.add("launch.model", t2 - t1)
-            timer.add("launch.out", time.perf_counter() - t2)
         return result
 
     def _sampler_graphable(self, meta: SamplingMetadata, rows: int) -> bool:

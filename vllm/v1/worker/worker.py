@@ -1,7 +1,7 @@
 """Worker: owns the device, the model runner and the KV cache; sizes the cache from the memory budget.
 
 On CUDA the budget is gpu_memory_utilization of the device's memory minus what the weights and a profiled peak
-of activations take, and with mixed CUDA graphs (on unless VLLM_MIXED_CUDA_GRAPH=0) minus their pool, the profiled
+of activations take, and with mixed CUDA graphs (on with CUDA graphs) minus their pool, the profiled
 activations of a forward of the largest mixed size, which the captured graphs keep while eager steps still need
 the profiled peak; on CPU it is kv_cache_memory_bytes (default VLLM_CPU_KVCACHE_SPACE GiB). Either way the
 cache never holds more blocks than max_num_seqs full-length requests need. One more block than reported is

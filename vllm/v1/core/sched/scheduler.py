@@ -405,7 +405,7 @@ class Scheduler:
         rows = np.array(out_rows, dtype=np.int64)
         nums = np.array(out_nums, dtype=np.int64)
         # NOTE: the runner's per-row settings (numpy gathers at the outputs' rows); outputs built by hand (tests,
-        # benchmarks/host_step.py) have none, and take each request's, aligned with the outputs.
+        # tools/profiling/host_step.py) have none, and take each request's, aligned with the outputs.
         settings, at = model_runner_output.row_settings, rows
         if settings is None:
             settings, at = _request_row_settings(out_reqs), np.arange(len(out_reqs))

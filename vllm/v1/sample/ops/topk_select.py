@@ -4,26 +4,17 @@ Role: for every row, `select_top_k_candidates` finds the k-th largest of z = log
 row's top_k) and writes the ids of every z >= that threshold, in ascending id order, with their z values, into
 a [num_reqs, C] buffer. The fast sampler (vllm/v1/sample/fast_path.py) does everything else on that buffer.
 
-Three implementations (`impl`), with the same outputs bit for bit (and the same as the torch reference
-`_select_torch` used on CPU tensors):
-- "topk" (VLLM_TOPK_SELECT_IMPL=topk): torch.topk over C columns of the logits gives the threshold, one
-  counting read of each row (`_count_at_least_kernel`, many programs per row) the exact count and the NaN/+inf
-  check, and the kept columns sorted by id are the candidates. On the H200 at 512 x 151936 it takes ~1.2 ms,
-  ~15 reads of the logits' worth of time, and almost all of it is torch.topk (docs/benchmarks.md).
-- "row" (`_topk_select_kernel`): a radix select, one program per row: z is mapped to an int32 key whose signed
-  order is the float order (-0.0 first turned into +0.0, NaN keys above +inf or below -inf); three histogram
-  passes over 11, 11 and 10 key bits, each restricted to the prefix chosen by the previous one, give the exact
-  key of the k-th largest value; a fourth pass writes every key >= it. Four reads of the row, but Triton's
-  2048-bin `tl.histogram` makes it compute-bound: ~8.8 ms at 512 rows on the H200 (a version spread over
-  many programs per row with atomics measured 7.6 ms, so the histograms, not the parallelism, are the cost).
-  Kept for reference and tests, and as "prefilter"'s last resort for the overflow rows with over 2C chunks
-  listed (`row_flag`).
-- "prefilter" (the default on CUDA; `_select_prefilter`, topk_prefilter.py): the maximum z of every 32
-  consecutive ids bounds kth from below; one program per row gathers the few z above that bound, in id order,
-  into a per-row buffer and selects on it; a row whose buffer overflows is selected from its ~k listed chunks
-  by bisection (the radix kernel takes those with over 2C chunks listed). One read of the logits and a re-read
-  of ~k * 32 ids per row, no host sync. On the H200 at 1024 x 151936 bf16: ~0.42 ms against ~1.48 for "topk";
-  one overflow row adds ~0.1 ms, a radix row ~3 ms (docs/benchmarks.md).
+On CUDA tensors the select is the prefilter (`_select_prefilter`, topk_prefilter.py): the maximum z of every 32
+consecutive ids bounds kth from below; one program per row gathers the few z above that bound, in id order, into
+a per-row buffer and selects on it; a row whose buffer overflows is selected from its ~k listed chunks by
+bisection, and the rare row with over 2C chunks listed (ties) by the radix kernel (`_topk_select_kernel`, one
+program per row: z mapped to an int32 key whose signed order is the float order, -0.0 first turned into +0.0, NaN
+keys above +inf or below -inf; three histogram passes over 11, 11 and 10 key bits give the exact key of the k-th
+largest value, a fourth pass writes every key >= it). One read of the logits and a re-read of ~k * 32 ids per
+row, no host sync. On the H200 at 1024 x 151936 bf16: ~0.42 ms, against ~1.48 for torch.topk over C columns plus
+a counting read and ~17.6 for the radix kernel on every row (the alternatives measured and retired,
+docs/benchmarks.md); one overflow row adds ~0.1 ms, a radix row ~3 ms. On CPU tensors (the CPU engine, and the
+tests' reference) `_select_torch` gives the same outputs bit for bit.
 
 Invariants:
 - z is computed as an IEEE round-to-nearest division, so it is bitwise the `logits / temperature` of the
@@ -33,7 +24,7 @@ Invariants:
 - counts[r] == -1 marks a row the buffer cannot represent exactly (more than C values >= kth, or a NaN or
   +inf anywhere in z, or a threshold of -inf); its ids/values are not written. The caller runs the general
   full-vocabulary path for those rows.
-- "prefilter" rows are never -1 for lack of room in its buffer: overflow rows are selected again exactly.
+- Prefilter rows are never -1 for lack of room in its buffer: overflow rows are selected again exactly.
 """
 
 from __future__ import annotations
@@ -46,14 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm import envs
 from vllm.v1.sample.ops.float_keys import float_to_key
 from vllm.v1.sample.ops.topk_prefilter import PrefilterScratch, prefilter_select
 
 _BLOCK_SIZE = 1024
-DEFAULT_CUDA_IMPL = "prefilter"
-_IMPLS = ("topk", "row", "prefilter")
-_COUNT_CHUNK = 4096
 _PREFILTER_CHUNK = 32
 _PREFILTER_CAP = 2048
 logger = logging.getLogger(__name__)
@@ -189,20 +176,16 @@ def _disable_kernel() -> None:
 
 
 def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                            num_cand: int, use_triton: bool | None = None, impl: str | None = None,
-                            block_size: int = _BLOCK_SIZE, prefilter_chunk: int = _PREFILTER_CHUNK,
+                            num_cand: int, use_triton: bool | None = None, block_size: int = _BLOCK_SIZE,
+                            prefilter_chunk: int = _PREFILTER_CHUNK,
                             prefilter_cap: int | None = None) -> TopKCandidates:
     """logits: [num_reqs, V] float (unit stride on V); temperature: [num_reqs] float32 (> 0); top_k:
-    [num_reqs] int; num_cand: the buffer width C. use_triton (default: logits.is_cuda) runs a kernel,
-    which on CPU tensors needs TRITON_INTERPRET; otherwise an equivalent torch version runs.
+    [num_reqs] int; num_cand: the buffer width C. use_triton (default: logits.is_cuda) runs the prefilter's
+    kernels, which on CPU tensors need TRITON_INTERPRET; otherwise the equivalent torch version runs.
 
-    impl: "topk", "row" or "prefilter" (default on CUDA tensors: VLLM_TOPK_SELECT_IMPL, else DEFAULT_CUDA_IMPL;
-    "row" elsewhere);
     block_size: the radix kernel's block, and the values a prefilter row program handles at a time (a
     chunk-maximum program reads 4 blocks); prefilter_chunk: S, the ids behind one chunk maximum; prefilter_cap:
     the prefilter's per-row buffer (default max(2048, 2 * C), at least C)."""
-    if impl is not None and impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     if not 2 <= prefilter_chunk <= block_size or prefilter_chunk & (prefilter_chunk - 1):
@@ -220,21 +203,12 @@ def select_top_k_candidates(logits: torch.Tensor, temperature: torch.Tensor, top
     kth = torch.empty((num_reqs,), dtype=torch.float32, device=device)  # [num_reqs]
     temperature = temperature.to(device=device, dtype=torch.float32).contiguous()
     top_k = top_k.to(device=device, dtype=torch.int32).contiguous()
-    if impl is None:
-        impl = (envs.VLLM_TOPK_SELECT_IMPL or DEFAULT_CUDA_IMPL) if logits.is_cuda else "row"
-        if impl not in _IMPLS:
-            raise ValueError(f"VLLM_TOPK_SELECT_IMPL must be one of {_IMPLS}, got {impl!r}")
     out = (ids, values, counts, kth)
     if num_reqs == 0:
         pass
     elif (use_triton if use_triton is not None else logits.is_cuda) and not _kernel_failed:
         try:
-            if impl == "topk":
-                _select_topk(logits, temperature, top_k, *out)
-            elif impl == "prefilter":
-                _select_prefilter(logits, temperature, top_k, *out, block_size, prefilter_chunk, cap)
-            else:
-                _run_row_kernel(logits, temperature, top_k, *out, block_size)
+            _select_prefilter(logits, temperature, top_k, *out, block_size, prefilter_chunk, cap)
         except triton.CompilationError:
             _disable_kernel()
             _select_torch(logits, temperature, top_k, *out)
@@ -253,56 +227,6 @@ def _run_row_kernel(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
         logits, logits.stride(0), temperature, top_k, ids, values, ids.stride(0), counts, kth,
         counts if row_flag is None else row_flag, vocab_size, ids.shape[1], BLOCK_SIZE=block_size,
         HAS_FLAG=row_flag is not None)
-
-
-@triton.jit
-def _count_at_least_kernel(
-    logits_ptr,  # [num_reqs, V] float
-    logits_stride,
-    temperature_ptr,  # [num_reqs] float32
-    kth_ptr,  # [num_reqs] float32
-    count_ptr,  # [num_reqs] int32, zeroed
-    bad_ptr,  # [num_reqs] int32, zeroed
-    vocab_size,
-    CHUNK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    valid = offs < vocab_size
-    z = _load_z(logits_ptr + row * logits_stride, offs, valid, temperature_ptr + row)
-    kept = valid & (z >= tl.load(kth_ptr + row))
-    bad = valid & ((z != z) | (z == float("inf")))
-    tl.atomic_add(count_ptr + row, tl.sum(kept.to(tl.int32), axis=0), sem="relaxed")
-    tl.atomic_add(bad_ptr + row, tl.sum(bad.to(tl.int32), axis=0), sem="relaxed")
-
-
-def _select_topk(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, ids: torch.Tensor,
-                 values: torch.Tensor, counts: torch.Tensor, kth: torch.Tensor) -> None:
-    """The threshold from torch.topk over C = num_cand columns, the exact count from one counting read.
-
-    z = logits / temperature is monotone in the logits, so the C largest logits hold every z >= kth whenever
-    there are at most C of them; the counting pass over the whole row (`_count_at_least_kernel`) tells the rows
-    where there are more (ties past C: -1), or a NaN/+inf anywhere (-1), exactly as the radix select does."""
-    num_reqs, vocab_size = logits.shape
-    width = min(ids.shape[1], vocab_size)
-    top_logits, top_ids = logits.topk(width, dim=-1)  # [num_reqs, W] descending
-    z = top_logits.to(torch.float32) / temperature[:, None]  # [num_reqs, W]
-    k = top_k.to(torch.long).clamp(1, vocab_size)[:, None]  # [num_reqs, 1]
-    kth_z = z.gather(1, (k - 1).clamp(max=width - 1))  # [num_reqs, 1]
-    in_top = z >= kth_z  # [num_reqs, W] bool
-    scratch = torch.zeros(2, num_reqs, dtype=torch.int32, device=logits.device)
-    _count_at_least_kernel[(num_reqs, triton.cdiv(vocab_size, _COUNT_CHUNK))](
-        logits, logits.stride(0), temperature, kth_z, scratch[0], scratch[1], vocab_size, CHUNK=_COUNT_CHUNK,
-        num_warps=8)
-    full, bad = scratch[0], scratch[1]
-    # NOTE: k > C means more than C values >= kth: the row cannot be held (the threshold above is not its kth).
-    ok = (bad == 0) & (full == in_top.sum(dim=-1)) & (kth_z[:, 0] > float("-inf")) & (k[:, 0] <= width)
-    # NOTE: ascending ids: the kept columns sorted by id; the others get id V and sort last.
-    order_key, order = torch.where(in_top, top_ids, vocab_size).sort(dim=-1)  # [num_reqs, W]
-    ids[:, :width] = order_key.to(torch.int32)
-    values[:, :width] = z.gather(1, order)
-    counts.copy_(torch.where(ok, full, -1))
-    kth.copy_(kth_z[:, 0])
 
 
 def _select_prefilter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, ids: torch.Tensor,

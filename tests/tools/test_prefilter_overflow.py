@@ -1,4 +1,4 @@
-"""benchmarks/prefilter_overflow.py: the gathered count of a hand-worked row, the buffer size, and the script on
+"""tools/profiling/prefilter_overflow.py: the gathered count of a hand-worked row, the buffer size, and the script on
 the bundled tiny checkpoint (its counts against the prefilter select's own, run under the Triton interpreter)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools", "profiling"))
 import prefilter_overflow as po  # noqa: E402
 
 INF = float("inf")
@@ -36,7 +36,7 @@ def test_buffer_cap_is_the_selects() -> None:
 def test_script_on_the_tiny_checkpoint_matches_the_prefilter_kernels(tmp_path) -> None:  # noqa: ANN001
     model = os.path.join(REPO_ROOT, "vllm", "assets", "tiny-llama")
     out = tmp_path / "overflow.json"
-    proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "prefilter_overflow.py"),
+    proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "profiling", "prefilter_overflow.py"),
                            "--model", model, "--top-k", "8", "64", "--max-tokens", "24", "--device", "cpu",
                            "--json-out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -53,7 +53,7 @@ def test_script_on_the_tiny_checkpoint_matches_the_prefilter_kernels(tmp_path) -
     torch.manual_seed(0)
     logits = (torch.randn(6, 4096) * 3).to(torch.bfloat16).float()
     top_k = torch.tensor([8, 64, 64, 8, 300, 1], dtype=torch.int32)
-    got = select_top_k_candidates(logits, torch.ones(6), top_k, 380, use_triton=True, impl="prefilter")
+    got = select_top_k_candidates(logits, torch.ones(6), top_k, 380, use_triton=True)
     for r, k in enumerate(top_k.tolist()):
         gathered = int(po.gathered_counts(logits[r:r + 1], 1.0, k))
         kth = float(got.kth[r])

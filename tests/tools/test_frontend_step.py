@@ -1,4 +1,4 @@
-"""benchmarks/frontend_step.py on a small step: the API server's path from the engine core's frames to SSE chunks
+"""tools/profiling/frontend_step.py on a small step: the API server's path from the engine core's frames to SSE chunks
 runs for this client's share of the requests, and the chunks carry one token with its logprobs and its mask."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools", "profiling"))
 import frontend_step  # noqa: E402
 
 

@@ -1,6 +1,6 @@
-"""benchmarks/frontend_serve.py: the replay engine core's step outputs (checked against the ids it drew, parsed back
-from the JSON text), its device pacing, the py-spy stack summary on a hand-worked profile, and one short run of
-the whole harness: `vllm serve` with the replay core, the load generator, and the CPU read per process."""
+"""tools/profiling/frontend_serve.py: the replay engine core's step outputs (checked against the ids it drew,
+parsed back from the JSON text), its device pacing, the py-spy stack summary on a hand-worked profile, and one
+short run of the whole harness: `vllm serve` with the replay core, the load generator, and the CPU read per process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools", "profiling"))
 import frontend_serve  # noqa: E402
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402

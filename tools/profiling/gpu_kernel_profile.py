@@ -12,7 +12,7 @@ after every request has finished its prefill, `--steps` decode steps are traced.
 
 Only CUDA activity is traced (no CPU op events), so the host is not slowed down by the profiler.
 
-    PYTHONPATH=. python3 tools/gpu_kernel_profile.py --rows 512 1024 --steps 30 [--mask-text] [--out DIR]
+    PYTHONPATH=. python3 tools/profiling/gpu_kernel_profile.py --rows 512 1024 --steps 30 [--mask-text] [--out DIR]
 
 `--mask-text`: the mask arm also formats each mask's JSON text on the device, as under `vllm serve` (its pack and
 JSON kernels in the sampler graph, the text copied to the host).

@@ -12,7 +12,7 @@ For every position of every text (teacher-forced: the model's next-token logits 
 --top-k: the gathered count and whether it passes cap = max(2048, 2C), C = fast_path.num_candidates. The count
 is computed here in plain torch (chunk maxima, their k-th largest, a count), independently of the kernels.
 
-    python benchmarks/prefilter_overflow.py --model /path/to/checkpoint [--texts FILE] [--top-k 50 512 2048]
+    python tools/profiling/prefilter_overflow.py --model /path/to/checkpoint [--texts FILE] [--top-k 50 512 2048]
 
 --texts: a UTF-8 file of texts separated by blank lines (default: a few built-in English, code and Chinese
 samples). Prints a table per top_k (positions, median / p99 / max gathered, overflow rate); --json-out writes it.

@@ -1,4 +1,4 @@
-"""benchmarks/offline_host.py: offline LLM.generate over the replay engine core, each arm in its own process;
+"""tools/profiling/offline_host.py: offline LLM.generate over the replay engine core, each arm in its own process;
 every request gets all its tokens (and with masks one mask per token, checked inside the run)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools", "profiling"))
 import offline_host  # noqa: E402
 
 

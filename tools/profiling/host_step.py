@@ -5,7 +5,7 @@ What it isolates: the part of a serving step that the engine-core process spends
 GPU does. The model runner output is synthetic and built once (one sampled token, logprobs=1, a mask of
 `--mask-size` ids per row with its JSON text), so the numbers are the scheduler and transport cost alone.
 
-    python benchmarks/host_step.py --num-reqs 1024 --clients 1 4 [--async-scheduling] [--cprofile]
+    python tools/profiling/host_step.py --num-reqs 1024 --clients 1 4 [--async-scheduling] [--cprofile]
 
 `--async-scheduling` runs AsyncScheduler the way the engine's two-deep batch queue does: each step schedules
 step N+1 while step N is in flight, then processes step N's output. Every request then has one output

@@ -12,7 +12,7 @@ over `AsyncLLM.stream_outputs`, as the HTTP response does, minus the socket). Th
 this is the first; like in the A/B, requests stream (DELTA), with logprobs=1, and no tokenizer
 (`--skip-tokenizer-init`).
 
-    python benchmarks/frontend_step.py --num-reqs 1024 --clients 4 [--cprofile]
+    python tools/profiling/frontend_step.py --num-reqs 1024 --clients 4 [--cprofile]
 
 Prints the median ms per step of each part for each arm and the mask arm's extra cost per token. The garbage
 collector runs as in an API server (start-up heap frozen, its serving thresholds).
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from host_step import _runner_output, _vllm_config  # noqa: E402 (benchmarks/ is the script's folder)
+from host_step import _runner_output, _vllm_config  # noqa: E402 (tools/profiling/ is the script's folder)
 from vllm.v1.serving_gc import freeze_startup_heap
 from vllm.entrypoints.openai.protocol import CompletionRequest
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion

@@ -13,7 +13,7 @@ benchmarks/benchmark_serving.py (the A/B's sampling settings), and the CPU time 
 level from /proc: per API server its share of a core and its CPU microseconds per streamed token (user and
 system), and the engine core's.
 
-    python benchmarks/frontend_serve.py --arms no-mask mask --concurrency 128 --duration 20 \\
+    python tools/profiling/frontend_serve.py --arms no-mask mask --concurrency 128 --duration 20 \\
         [--trees /tmp/old .] [--rounds 2] [--json-out out.json]
 
 `--trees` compares code: each arm runs with each tree's `vllm` (PYTHONPATH=TREE; this script, the replay core
@@ -40,13 +40,11 @@ import numpy as np
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.metrics.step_timing import StepTimer
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText
 from vllm.v1.sample.sampling_mask import group_order
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))  # benchmark_serving, the load generator
 MODEL_DIR = os.path.join(REPO_ROOT, "benchmarks", "configs", "qwen2.5-1.5b-instruct")
 ARMS = {"no-mask": [], "mask": ["--return-sampling-mask"]}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -127,10 +125,8 @@ def replay_core(vllm_config: Any, device_ms: float, device_ms_per_row: float, ma
             max_len = vllm_config.model_config.max_model_len
             self.num_gpu_blocks = vllm_config.scheduler_config.max_num_seqs * (-(-max_len // block_size) + 1)
             self.async_scheduling = False
-            self.launches_ahead = False
             self.scheduler = Scheduler(vllm_config, self.num_gpu_blocks)
             self.batch_queue = deque()
-            self.step_timer = StepTimer()
             self.worker = _ReplayWorker(vllm_config, self.scheduler, device_ms, device_ms_per_row, mask_size)
             self._init_lifecycle()
 

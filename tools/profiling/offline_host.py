@@ -3,7 +3,7 @@ replaced by frontend_serve.py's replay worker (one random token per row, logprob
 with no device time, so the step time is the host's alone: scheduler, output path, the output processor building
 every request's tokens, logprobs and masks, and the garbage collector walking what piles up.
 
-    python benchmarks/offline_host.py --num-reqs 1024 --output-len 64 [--arms no-mask mask] [--rounds 2]
+    python tools/profiling/offline_host.py --num-reqs 1024 --output-len 64 [--arms no-mask mask] [--rounds 2]
 
 On the GPU the device step overlaps this host work only partly (synchronous here, no overlap): a host step
 longer than the device's (12.5 ms at 1024 rows on the H200 for the A/B model) caps offline throughput. With
