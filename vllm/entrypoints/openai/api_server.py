@@ -193,7 +193,7 @@ def _respond(result: Any) -> Response:
 
 def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints: bool = False, *,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The app; the admin endpoints of RL training loops (admin.py) only with enable_rl_endpoints or
     VLLM_SERVER_DEV_MODE=1."""
     app = FastAPI(title="vllm", version=vllm.__version__)
@@ -206,6 +206,8 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
     app.state.completion = OpenAIServingCompletion(engine, names, preprocess)
     app.state.chat = OpenAIServingChat(engine, names, preprocess, trust_request_chat_template)
     app.state.generate = OpenAIServingGenerate(engine, names, preprocess)
+    for serving in (app.state.completion, app.state.chat, app.state.generate):
+        serving.enable_prompt_tokens_details = enable_prompt_tokens_details
 
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
@@ -313,6 +315,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--trust-request-chat-template", action="store_true", default=False,
                         help="Accept a `chat_template` sent in a chat request (refused by default). It still renders "
                              "in the sandbox, with bounded work and output.")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true", default=False,
+                        help="Add usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+                             "cache) to completions, chat and generate responses.")
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="Seconds that running requests get to finish after SIGTERM / SIGINT; the rest then end "
                              "with an error (HTTP 503, or an error event and [DONE] when streamed).")
@@ -371,7 +376,8 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
     try:
         app = build_app(engine, args.api_key, getattr(args, "enable_rl_endpoints", False),
                         max_request_body_bytes=getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES),
-                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False))
+                        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+                        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False))
         # NOTE: everything built so far (imports, torch among them, the app, the engine client) lives as long as
         # the process: frozen, it is left out of every later collection (each full one would walk ~200k objects,
         # ~0.1 s without serving any stream); then the serving thresholds (vllm/v1/serving_gc.py).
