@@ -98,8 +98,8 @@ class InputProcessor:
                 names = ", ".join(sorted(map(repr, unknown)))
                 raise VLLMValidationError(
                     f"Unsupported prompt key(s): {names}. This engine takes only 'prompt' (text) and "
-                    "'prompt_token_ids' (list of ints), and 'cache_salt': it has no multimodal inputs, prompt "
-                    "embeddings or encoder-decoder prompts. Remove the key(s), or leave them None or empty.",
+                    "'prompt_token_ids' (list of ints), with an optional 'cache_salt': it has no multimodal inputs, "
+                    "prompt embeddings or encoder-decoder prompts. Remove the key(s), or leave them None or empty.",
                     parameter=str(sorted(unknown)[0]))
             text = prompt.get("prompt")
             token_ids = prompt.get("prompt_token_ids")
