@@ -175,3 +175,24 @@ def test_off_by_flag() -> None:
     assert _llm(True).llm_engine.vllm_config.cache_config.enable_prefix_caching is True
     assert LLM(device="cpu", skip_tokenizer_init=True, max_model_len=64,
                num_gpu_blocks_override=16).llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("clear_cache", [True, False])
+def test_keep_pause_with_clear_cache_preempts_as_vllm(clear_cache: bool) -> None:
+    """vLLM's pause_scheduler(clear_cache=True) resets the cache with reset_running_requests: the kept request is
+    preempted (recomputed after resume, same tokens); clear_cache=False keeps its blocks."""
+    llm = _llm(True, num_gpu_blocks_override=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(120, 137))}
+    ref = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    engine, sched = llm.llm_engine, _scheduler(llm)
+    engine.add_request("kept", prompt, greedy)
+    outs = engine.step() + engine.step()
+    engine.pause_generation(mode="keep", clear_cache=clear_cache)
+    request = sched.requests["kept"]
+    assert (request.num_preemptions == 1) is clear_cache
+    assert bool(sched.kv_cache_manager.block_pool.cached_blocks) is not clear_cache
+    engine.resume_generation()
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert [o for o in outs if o.finished][0].outputs[0].token_ids == ref
