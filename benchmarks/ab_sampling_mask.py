@@ -62,7 +62,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {}),
         "pre-change": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_LEGACY_PATH": "1"}),
         # Optional fourth arm: the mask without its JSON text formatted on the device (the API server formats the ids).
-        "mask-ids": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "0"})}
+        "mask-ids": (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "0"}),
+        # The prefix cache off (the cost of the cache on this 0%-hit workload: no-mask against it).
+        "no-cache": (["--no-enable-prefix-caching"], {})}
 DEFAULT_ARMS = ["no-mask", "mask", "pre-change"]
 
 # NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.
