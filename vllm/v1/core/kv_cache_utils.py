@@ -60,12 +60,19 @@ def hash_request_blocks(request: Request, block_size: int, num_blocks: int) -> l
     num_blocks = min(num_blocks, len(request.all_token_ids) // block_size)
     if start >= num_blocks:
         return hashes
-    # [num_new_blocks, block_size] int32: the new blocks' tokens, converted once rather than block by block.
-    tokens = np.asarray(request.all_token_ids[start * block_size:num_blocks * block_size],
-                        dtype="<i4").reshape(-1, block_size)
-    parent = hashes[-1] if hashes else None
+    # NOTE: the new blocks' tokens as bytes in one conversion, each block's digest over a slice of them (what
+    # hash_block_tokens computes block by block, at about a third of its cost: a 2048-token prompt is 128 blocks).
+    data = memoryview(np.asarray(request.all_token_ids[start * block_size:num_blocks * block_size],
+                                 dtype="<i4").tobytes())
+    width = 4 * block_size
+    parent = hashes[-1] if hashes else ROOT_HASH
+    sha256 = hashlib.sha256
     salt = request.cache_salt
-    for i, row in enumerate(tokens, start):
-        parent = hash_block_tokens(parent, row, block_extra_keys(salt, i))
+    for i in range(num_blocks - start):
+        h = sha256(parent)
+        h.update(data[i * width:(i + 1) * width])
+        if salt and start + i == 0:
+            h.update(block_extra_keys(salt, 0))
+        parent = h.digest()
         hashes.append(parent)
     return hashes
