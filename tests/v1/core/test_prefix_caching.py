@@ -96,7 +96,7 @@ def test_block_digests_are_chained_and_salted() -> None:
 
 
 def test_free_queue_evicts_lru_and_request_tails_first() -> None:
-    pool = BlockPool(6, enable_caching=True)
+    pool = BlockPool(6)
     a = pool.get_new_blocks(3)  # [0, 1, 2]
     for i, b in enumerate(a):
         pool.cache_block(b, bytes([i]) * 32)

@@ -26,11 +26,10 @@ from vllm.v1.core.kv_cache_utils import BlockHash
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"The KV cache needs at least one block, got num_blocks={num_blocks}.")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         # NOTE: an OrderedDict as the doubly linked free list: O(1) popleft (popitem(last=False)), append, and

@@ -41,7 +41,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[int]] = {}
         # Per request holding blocks: how many of its leading blocks were indexed (or skipped) already.
         self.num_cached_blocks: dict[str, int] = {}

@@ -200,8 +200,11 @@ class EngineCore:
         self._set_halt()
         if mode == "abort":
             self.abort_all_requests()
-        done = (lambda: self.scheduler.reset_prefix_cache(reset_running_requests=True) and None) if clear_cache \
-            else (lambda: None)
+
+        def done() -> None:
+            if clear_cache:
+                self.scheduler.reset_prefix_cache(reset_running_requests=True)
+
         if mode == "wait":
             return Deferred(lambda: not self.batch_queue and not self.scheduler.has_unfinished_requests(), done)
         return Deferred(lambda: not self.batch_queue, done)
