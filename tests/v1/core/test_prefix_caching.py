@@ -19,7 +19,7 @@ import pytest
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import ROOT_HASH, hash_request_blocks
+from vllm.v1.core.kv_cache_utils import ROOT_HASH, hash_block_tokens, hash_request_blocks
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
@@ -43,7 +43,8 @@ def _kv_runner_class(base: type) -> type:
         starts = {}
         for new in out.scheduled_new_reqs:
             starts[new.req_id] = new.num_computed_tokens
-        for req_id, num_computed in zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens):
+        cached = out.scheduled_cached_reqs
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
             starts[req_id] = num_computed
         result = base.execute(self, out)
         # Every layer writes the step's KV before any attention reads it: write all, then check all.
@@ -87,6 +88,7 @@ def test_block_digests_are_chained_and_salted() -> None:
     s = hash_request_blocks(salted, 4, 10)
     assert s[0] == _digest(None, [0, 1, 2, 3], "policy-7".encode()) and s[1] == _digest(s[0], [4, 5, 6, 7])
     assert not set(s) & set(h)  # the salt changes every later digest through the chain
+    assert hash_block_tokens(None, [0, 1, 2, 3], b"policy-7") == s[0] and hash_block_tokens(h[0], [4, 5, 6, 7]) == h[1]
     # The same tokens after a different prefix are a different block.
     other = hash_request_blocks(_request("c", [9, 1, 2, 3, 4, 5, 6, 7]), 4, 2)
     assert other[1] != h[1]

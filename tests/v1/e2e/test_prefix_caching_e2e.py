@@ -97,7 +97,8 @@ def test_seeded_sampling_and_masks_equal_without_cache() -> None:
                              n=2 if i % 2 else 1) for i in range(len(prompts))]
     results = {}
     for caching in (False, True):
-        outs, counts = _run(_llm(caching, return_sampling_mask=True, logprobs_mode="processed_logprobs"), prompts, params)
+        llm = _llm(caching, return_sampling_mask=True, logprobs_mode="processed_logprobs")
+        outs, counts = _run(llm, prompts, params)
         results[caching] = (outs, counts)
     ref, got = results[False][0], results[True][0]
     assert results[True][1]["hits"] > 0
