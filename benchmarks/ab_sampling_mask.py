@@ -58,7 +58,9 @@ import benchmark_serving  # noqa: E402
 from ab_report import combine_rounds, markdown, plot  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {})}
+ARMS = {"no-mask": ([], {}), "mask": (["--return-sampling-mask"], {}),
+        # The prefix cache off (the cost of the cache on this 0%-hit workload: no-mask against it).
+        "no-cache": (["--no-enable-prefix-caching"], {})}
 DEFAULT_ARMS = ["no-mask", "mask"]
 
 # NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.

@@ -3,7 +3,8 @@
 At run time a prompt is a plain `str` or `dict`: `TextPrompt` and `TokensPrompt` are TypedDicts, so
 `TokensPrompt(prompt_token_ids=[...])` is the same dict as `{"prompt_token_ids": [...]}`. Only the keys below
 are honoured; the input processor rejects any other key (vLLM's `multi_modal_data`, `mm_processor_kwargs`,
-`cache_salt`, ...) with a ValueError rather than ignoring it, unless its value is None (which asks for nothing).
+...) with a ValueError rather than ignoring it, unless its value is None (which asks for nothing). `cache_salt`
+(a non-empty string) keeps the request's prefix-cache blocks apart from those of requests with another salt.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ class TextPrompt(TypedDict):
     """A text prompt, tokenized by the engine (with the tokenizer's special tokens)."""
 
     prompt: str
+    cache_salt: NotRequired[str]
+    """Prefix caching: only requests with the same salt share cached KV blocks (vLLM's field)."""
 
 
 class TokensPrompt(TypedDict):
@@ -25,6 +28,8 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
     """The text of the tokens, when the caller has it: only copied into RequestOutput.prompt, never tokenized."""
+    cache_salt: NotRequired[str]
+    """Prefix caching: only requests with the same salt share cached KV blocks (vLLM's field)."""
 
 
 SingletonPrompt = str | TextPrompt | TokensPrompt
@@ -32,4 +37,4 @@ SingletonPrompt = str | TextPrompt | TokensPrompt
 PromptType = SingletonPrompt
 
 # The dict keys the input processor honours; any other key is refused.
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})

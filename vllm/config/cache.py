@@ -1,13 +1,8 @@
-"""CacheConfig: the paged KV cache's block size and memory budget."""
+"""CacheConfig: the paged KV cache's block size, memory budget and prefix caching."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-
-from vllm.utils import warning_once
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -21,8 +16,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     """Use exactly this many KV blocks (tests and debugging)."""
     enable_prefix_caching: bool | None = None
-    """Accepted for vLLM compatibility; no effect: there is no prefix cache, every prompt is computed in full
-    (outputs are the same as with one). True logs a warning."""
+    """Automatic prefix caching (on unless False, as in vLLM): full KV blocks are kept, after their request ended,
+    under a digest of their tokens (and the request's cache_salt), and a new request starts computing after its
+    longest cached prefix; freed cached blocks are evicted least recently used first (docs/serving.md)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -33,6 +29,5 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
-        if self.enable_prefix_caching:
-            warning_once(logger, "enable_prefix_caching=True: prefix caching is not implemented, the engine runs "
-                                 "without it (outputs are unchanged; shared prompt prefixes are computed again).")
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = True

@@ -116,7 +116,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        """Always True: there is no prefix cache to reset (see AsyncLLM.reset_prefix_cache)."""
+        """Forget every cached KV block: True when done; False while requests hold blocks, unless
+        reset_running_requests (see AsyncLLM.reset_prefix_cache)."""
         return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     # ------------------------------------------------------------------ the RL lifecycle (docs/rl.md)

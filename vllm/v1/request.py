@@ -54,6 +54,7 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         client_index: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         # The frontend (API server) that sent it: the model runner packs each client's mask texts together.
@@ -79,6 +80,13 @@ class Request:
         # update_from_output() read and write it for every scheduled request in every step.
         self.num_output_placeholders = 0
         self.num_preemptions = 0
+        # Prefix caching (kv_cache_utils, kv_cache_manager): the salt of its first block, the digests of its full
+        # blocks (computed as needed, kept across preemptions), the prompt tokens found cached when it was first
+        # admitted (-1 until then), and the cache epoch it was last admitted in.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1
+        self.kv_epoch = 0
         # Per-request constants the scheduler's per-step loops read instead of the sampling params.
         self.min_tokens: int = sampling_params.min_tokens
         # The tokens that stop the request once it has `min_tokens` outputs: stop_token_ids, and EOS unless
@@ -103,6 +111,7 @@ class Request:
             eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
             client_index=request.client_index,
+            cache_salt=request.cache_salt,
         )
 
     @property

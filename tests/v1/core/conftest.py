@@ -45,11 +45,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def make_scheduler(model_dir: str) -> Callable[..., Scheduler]:
+    # NOTE: prefix caching off unless asked for: these tests' prompts share prefixes on purpose, and count the
+    # tokens each step computes (test_prefix_caching.py turns it on).
     def make(max_num_seqs: int = 16, max_num_batched_tokens: int = 64, max_model_len: int = 128,
-             block_size: int = 4, num_blocks: int = 1000, cls: type[Scheduler] = Scheduler) -> Scheduler:
+             block_size: int = 4, num_blocks: int = 1000, cls: type[Scheduler] = Scheduler,
+             enable_prefix_caching: bool = False) -> Scheduler:
         config = VllmConfig(
             model_config=ModelConfig(model=model_dir, max_model_len=max_model_len),
-            cache_config=CacheConfig(block_size=block_size),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens),
         )

@@ -90,9 +90,9 @@ def test_ignored_args_warn_once(fresh_warnings: None, caplog: pytest.LogCaptureF
         EngineArgs(device="cpu", enable_prefix_caching=True, enable_chunked_prefill=False,
                    trust_remote_code=True).create_engine_config()
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(messages) == 2
-    assert messages[0].startswith("enable_prefix_caching=True: prefix caching is not implemented")
-    assert messages[1].startswith("enable_chunked_prefill=False: this engine always chunks prefills")
+    # enable_prefix_caching is honoured now (tests/v1/e2e/test_prefix_caching_e2e.py): no warning.
+    assert len(messages) == 1
+    assert messages[0].startswith("enable_chunked_prefill=False: this engine always chunks prefills")
     caplog.clear()
     EngineArgs(device="cpu", enable_prefix_caching=False, enable_chunked_prefill=True).create_engine_config()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

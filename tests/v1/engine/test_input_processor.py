@@ -154,7 +154,22 @@ def test_typed_prompts_are_the_plain_dicts(model_dir: str, tok: Tokenizer) -> No
     assert typed.prompt_token_ids == tok.encode("hi there") and text == "hi there"
 
 
-@pytest.mark.parametrize("key", ["multi_modal_data", "mm_processor_kwargs", "cache_salt", "prompt_embeds"])
+def test_cache_salt_is_carried_and_checked(model_dir: str, tok: Tokenizer) -> None:
+    """vLLM's rule: None or a non-empty string; it reaches the engine core with the request (n > 1 children are
+    copies of it)."""
+    proc = make_processor(model_dir, tok)
+    req, _ = proc.process_inputs("r", TokensPrompt(prompt_token_ids=[3, 4], cache_salt="policy-3"), SamplingParams())
+    assert req.cache_salt == "policy-3"
+    req, _ = proc.process_inputs("r", TextPrompt(prompt="hi", cache_salt="s"), SamplingParams())
+    assert req.cache_salt == "s"
+    assert proc.process_inputs("r", {"prompt_token_ids": [3]}, SamplingParams())[0].cache_salt is None
+    for bad in ("", 5, ["s"], "\ud800"):
+        with pytest.raises(VLLMValidationError, match="cache_salt") as e:
+            proc.process_inputs("r", {"prompt_token_ids": [3], "cache_salt": bad}, SamplingParams())
+        assert e.value.parameter == "cache_salt"
+
+
+@pytest.mark.parametrize("key", ["multi_modal_data", "mm_processor_kwargs", "prompt_embeds"])
 def test_prompt_keys_not_honoured_are_refused(model_dir: str, tok: Tokenizer, key: str) -> None:
     prompt = {"prompt_token_ids": [3, 4, 5], key: {"image": None}}
     with pytest.raises(ValueError, match=rf"Unsupported prompt key\(s\): '{key}'\. This engine takes only 'prompt' "

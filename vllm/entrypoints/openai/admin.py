@@ -8,7 +8,7 @@ weights from any folder the server can read, and run worker methods by name, so 
 - Pause: POST /pause?mode=abort|wait|keep&clear_cache= -> {"status": "paused"}; POST /resume -> {"status":
   "resumed"} (400 when not paused); GET /is_paused; POST /abort_requests {"request_ids": [...]} (none or empty:
   every request of the engine) -> {"status": "aborted", "aborted": n}; POST /reset_prefix_cache (query
-  parameters, or SkyRL's JSON body) -> 200, empty.
+  parameters, or SkyRL's JSON body) -> 200, empty; 409 while requests hold KV blocks (vLLM's).
 - Weight updates (vLLM's four steps): POST /init_weight_transfer_engine {"init_info"}, /start_weight_update
   {"is_checkpoint_format"?}, /update_weights {"update_info"}, /finish_weight_update {"weight_version"?} ->
   {"message": ...}; GET /get_world_size, GET /weight_info, POST /update_weight_version {"new_version"}.
@@ -111,7 +111,11 @@ def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
     async def reset_prefix_cache(raw: Request) -> Response:
         body = await _body(raw)
         running = _flag(raw, "reset_running_requests", bool(body.get("reset_running_requests", False)))
-        await engine.reset_prefix_cache(running, _flag(raw, "reset_external", False))
+        if not await engine.reset_prefix_cache(running, _flag(raw, "reset_external", False)):
+            # NOTE: vLLM's answer when requests hold blocks (and reset_running_requests is false).
+            return JSONResponse(error_body("Prefix cache reset failed: requests hold KV blocks (pass "
+                                           "reset_running_requests=true to preempt them).", 409, "Conflict"),
+                                status_code=409)
         return Response(status_code=200)
 
     @router.post("/collective_rpc")

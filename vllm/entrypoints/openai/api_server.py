@@ -225,7 +225,8 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               trust_request_chat_template: bool = False, chat_template: str | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              return_tokens_as_token_ids: bool = False) -> FastAPI:
+              return_tokens_as_token_ids: bool = False,
+              enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The app; the admin endpoints of RL training loops (admin.py) only with enable_rl_endpoints or
     VLLM_SERVER_DEV_MODE=1. chat_template: --chat-template (a file or the template itself)."""
     if enable_auto_tool_choice and not tool_call_parser:
@@ -247,6 +248,7 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
         default_sampling_params(mc)
     for serving in (app.state.completion, app.state.chat, app.state.generate):
         serving.return_tokens_as_token_ids = return_tokens_as_token_ids
+        serving.enable_prompt_tokens_details = enable_prompt_tokens_details
 
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
@@ -384,6 +386,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--tool-call-parser", default=None,
                         help="The tool-call format of the model's output: hermes (<tool_call>{json}</tool_call>, the "
                              "Qwen2.5 / Qwen3 and Hermes models).")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true", default=False,
+                        help="Add usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+                             "cache) to completions, chat and generate responses.")
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="Seconds that running requests get to finish after SIGTERM / SIGINT; the rest then end "
                              "with an error (HTTP 503, or an error event and [DONE] when streamed).")
@@ -435,7 +440,8 @@ async def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = 
                         chat_template=getattr(args, "chat_template", None),
                         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                         tool_call_parser=getattr(args, "tool_call_parser", None),
-                        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False))
+                        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+                        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False))
         # NOTE: everything built so far (imports, torch among them, the app, the engine client) lives as long as
         # the process: frozen, it is left out of every later collection (each full one would walk ~200k objects,
         # ~0.1 s without serving any stream); then the serving thresholds (vllm/v1/serving_gc.py).

@@ -142,10 +142,16 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details (vLLM's flag): the prompt tokens found in the prefix cache.
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -207,6 +213,8 @@ class CompletionRequest(SamplingFields):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    # Prefix caching: only requests with the same salt share cached KV blocks (a non-empty string).
+    cache_salt: Text | None = None
     request_id: Text | None = None
 
     @property
@@ -346,6 +354,8 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: StrictBool = False
     documents: list[dict[str, Any]] | None = None
     request_id: Text | None = None
+    # Prefix caching: only requests with the same salt share cached KV blocks (a non-empty string).
+    cache_salt: Text | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -432,6 +442,8 @@ class GenerateRequest(RequestModel):
     model: Text | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # Prefix caching: only requests with the same salt share cached KV blocks (a non-empty string).
+    cache_salt: Text | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         fields = dict(self.sampling_params)

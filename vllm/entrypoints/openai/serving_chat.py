@@ -31,7 +31,7 @@ import msgspec
 from vllm.entrypoints.chat_utils import render_chat
 from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-                                              ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
+                                              ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
                                               random_uuid)
 from vllm.entrypoints.openai.tool_parsers import Hermes2ProToolParser, HermesStreamState
 from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, prompt_char_limit
@@ -198,7 +198,10 @@ class OpenAIServingChat(OpenAIServing):
         check_max_tokens(params.max_tokens, len(prompt_ids), self.max_model_len)
         engine_id = f"chatcmpl-{random_uuid()}"
         request_id = f"chatcmpl-{request.request_id}" if request.request_id else engine_id
-        queue = await self.engine.add_request(engine_id, {"prompt_token_ids": prompt_ids}, params)
+        prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        queue = await self.engine.add_request(engine_id, prompt, params)
         gen = self.engine.stream_outputs(engine_id, queue)
         if request.stream:
             return SSEStream(self._stream(request, model, request_id, gen, parser), [gen])
@@ -221,8 +224,7 @@ class OpenAIServingChat(OpenAIServing):
             for c, text in zip(outputs, texts)]
         num_prompt = len(final.prompt_token_ids or [])
         num_completion = sum(len(c.token_ids) for c in final.outputs)
-        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                          total_tokens=num_prompt + num_completion)
+        usage = self.usage(num_prompt, num_completion, final.num_cached_tokens or 0)
         return with_mask_texts(ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=usage,
             prompt_token_ids=list(prompt_ids) if request.return_token_ids else None,
@@ -234,10 +236,11 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(request.n):
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[
                 ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]))
-        num_prompt = num_completion = 0
+        num_prompt = num_completion = num_cached = 0
         as_ids = self.tokens_as_ids(request.return_tokens_as_token_ids)
         async for out in gen:
             num_prompt = len(out.prompt_token_ids or [])
+            num_cached = out.num_cached_tokens or num_cached
             for c in out.outputs:
                 num_completion += len(c.token_ids)
                 delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
@@ -263,8 +266,7 @@ class OpenAIServingChat(OpenAIServing):
                     body["choices"][0]["sampling_mask"] = msgspec.Raw(text)
                     yield sse(body)
         if request.stream_options is not None and request.stream_options.include_usage:
-            usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                              total_tokens=num_prompt + num_completion)
+            usage = self.usage(num_prompt, num_completion, num_cached)
             yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage))
         yield SSE_DONE
 

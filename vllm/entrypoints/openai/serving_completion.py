@@ -98,6 +98,9 @@ class OpenAIServingCompletion(OpenAIServing):
             raise VLLMValidationError(f"n x the number of prompts must be at most {max_n} (VLLM_MAX_N_SEQUENCES), "
                                       f"got {params.n} x {len(prompts)}.", parameter="n", value=params.n)
         prompts = [await self._tokenized(p, params.max_tokens) for p in prompts]
+        if request.cache_salt is not None:
+            prompts = [{**p, "cache_salt": request.cache_salt} if isinstance(p, dict)
+                       else {"prompt": p, "cache_salt": request.cache_salt} for p in prompts]
         base_id = f"cmpl-{random_uuid()}"
         request_ids: list[str] = []
         gens: list[OutputStream] = []
@@ -192,7 +195,7 @@ class OpenAIServingCompletion(OpenAIServing):
             finals[i] = out
         choices = []
         texts: list[msgspec.Raw | None] = []
-        usage = UsageInfo()
+        prompt_tokens = completion_tokens = cached_tokens = 0
         for i in range(len(gens)):
             out = finals[i]
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -203,9 +206,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if texts[-1] is not None:
                     choice["sampling_mask"] = None
                 choices.append(choice)
-                usage.completion_tokens += len(c.token_ids)
-            usage.prompt_tokens += len(out.prompt_token_ids or [])
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                completion_tokens += len(c.token_ids)
+            prompt_tokens += len(out.prompt_token_ids or [])
+            cached_tokens += out.num_cached_tokens or 0
+        usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)
         return with_mask_texts(CompletionResponse(id=base_id, model=model, choices=choices, usage=usage), texts)
 
     async def _stream(self, request: CompletionRequest, model: str, base_id: str,
@@ -215,6 +219,7 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets = [0] * num_choices
         # NOTE: plain ints, not a UsageInfo (a pydantic model's __setattr__ on every chunk).
         prompt_tokens = completion_tokens = 0
+        cached_tokens = [0] * len(gens)
         prompt_counted = [False] * len(gens)
         prompt_logprobs: list[Any] = [None] * len(gens)
         started = [False] * num_choices
@@ -235,6 +240,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_logprobs[i] = out.prompt_logprobs
                 elif echo and prompt_logprobs[i] is not None:
                     out.prompt_logprobs = prompt_logprobs[i]
+                if out.num_cached_tokens:
+                    cached_tokens[i] = out.num_cached_tokens
                 for c in out.outputs:
                     index = i * n + c.index
                     first = not started[index]
@@ -254,7 +261,6 @@ class OpenAIServingCompletion(OpenAIServing):
             if single:
                 gens[0].close()
         if request.stream_options is not None and request.stream_options.include_usage:
-            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens)
+            usage = self.usage(prompt_tokens, completion_tokens, sum(cached_tokens))
             yield sse(self._chunk(base_id, created, model, [], usage))
         yield SSE_DONE

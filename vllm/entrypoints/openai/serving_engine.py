@@ -24,7 +24,7 @@ from vllm.v1.engine.core_client import EngineDeadError
 from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, check_prompt_chars
 from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                               ChatCompletionLogProbsContent, ErrorInfo,
-                                              ErrorResponse)
+                                              ErrorResponse, PromptTokenUsageInfo, UsageInfo)
 
 
 class NotFoundError(Exception):
@@ -101,6 +101,9 @@ def encode_body(body: dict) -> bytes:
 
 
 class OpenAIServing:
+    # --enable-prompt-tokens-details (vLLM's flag): usage carries prompt_tokens_details.cached_tokens.
+    enable_prompt_tokens_details = False
+
     def __init__(self, engine: AsyncLLM, served_model_names: list[str],
                  preprocess: PreprocessPool | None = None) -> None:
         self.engine = engine
@@ -131,6 +134,14 @@ class OpenAIServing:
     def tokens_as_ids(self, requested: bool | None) -> bool:
         """A request's `return_tokens_as_token_ids`, the server's flag where it leaves it unset (vLLM)."""
         return self.return_tokens_as_token_ids if requested is None else requested
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        """A response's usage; with enable_prompt_tokens_details, the prompt tokens the prefix cache held."""
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        if self.enable_prompt_tokens_details:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+        return usage
 
     async def encode(self, text: str, add_special_tokens: bool, parameter: str) -> list[int]:
         """`text` as token ids, refused first if its characters cannot fit the context; a long text is tokenized

@@ -11,9 +11,10 @@ gives n choices (index j = sample j); a streamed chunk holds the choices with ne
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
-                                              GenerateStreamResponse, UsageInfo)
+                                              GenerateStreamResponse)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts,
                                                     prompt_logprobs_json, sse, weight_spans, with_mask_texts)
 from vllm.exceptions import VLLMValidationError
@@ -41,8 +42,10 @@ class OpenAIServingGenerate(OpenAIServing):
                                       parameter="token_ids")
         check_max_tokens(params.max_tokens, len(request.token_ids), self.max_model_len,
                          "sampling_params.max_tokens")
-        queue = await self.engine.add_request(request.request_id, {"prompt_token_ids": list(request.token_ids)},
-                                              params)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.token_ids)}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        queue = await self.engine.add_request(request.request_id, prompt, params)
         gen = self.engine.stream_outputs(request.request_id, queue)
         num_logprobs = params.logprobs or 0
         if request.stream:
@@ -52,8 +55,7 @@ class OpenAIServingGenerate(OpenAIServing):
             final = out
         assert final is not None
         num_out = sum(len(c.token_ids) for c in final.outputs)
-        usage = UsageInfo(prompt_tokens=len(request.token_ids), completion_tokens=num_out,
-                          total_tokens=len(request.token_ids) + num_out)
+        usage = self.usage(len(request.token_ids), num_out, final.num_cached_tokens or 0)
         outputs = sorted(final.outputs, key=lambda c: c.index)
         texts = mask_texts(outputs)
         choices = [self._choice(c, num_logprobs, with_mask=text is None) for c, text in zip(outputs, texts)]

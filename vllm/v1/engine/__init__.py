@@ -35,6 +35,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float = 0.0
     # Which frontend (API server process, --api-server-count) sent it: its outputs go back there only.
     client_index: int = 0
+    # Prefix caching: blocks are shared only between requests with the same salt (None: unsalted).
+    cache_salt: str | None = None
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -79,6 +81,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Sampling-mask sizes of this step's rows and how many overflowed the compact K.
     sampling_mask_sizes: list[int] = msgspec.field(default_factory=list)
     num_sampling_mask_overflow_rows: int = 0
+    # Prefix-cache lookups of the requests admitted since the last stats (new requests only, as vLLM's counters):
+    # their tokens, and those found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

@@ -236,12 +236,10 @@ class AsyncLLM:
         return OutputStream(self, request_id, queue)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        """vLLM's call to drop cached KV blocks (trainers call it after a weight update). There is no prefix
-        cache here: a request's KV blocks are freed when it ends and never reused by another, so nothing can be
-        stale and True (done) is the right answer, for any arguments (running requests' KV is not cached either,
-        and there is no KV connector)."""
-        await self.check_health()
-        return True
+        """vLLM's call to drop cached KV blocks (trainers call it after a weight update; finish_weight_update
+        already invalidates them here): False while requests hold blocks, unless reset_running_requests, which
+        preempts every running request first (each recomputes its KV later). There is no KV connector."""
+        return await self._call("reset_prefix_cache", reset_running_requests, reset_connector)
 
     async def is_sleeping(self) -> bool:
         """Always False: sleep mode is not supported, the engine is always awake."""
@@ -265,9 +263,11 @@ class AsyncLLM:
         """Pause generation in the engine core (for every API server of it); returns once paused:
         - "abort": every running and waiting request ends now, finish_reason "abort", with its partial output;
         - "wait": the requests already in the engine run to completion first;
-        - "keep": nothing is scheduled; the requests keep their KV blocks and places and go on after resume.
-        Requests added while paused wait in the engine and run after `resume_generation()`. clear_cache: there is
-        no prefix cache to clear. wait_for_inflight_requests (vLLM's older argument): True is mode "wait"."""
+        - "keep": nothing is scheduled; the requests keep their places and go on after resume.
+        Requests added while paused wait in the engine and run after `resume_generation()`. clear_cache (vLLM's
+        default True): once paused, reset the prefix cache; in keep mode this preempts the kept requests, which
+        recompute their KV after resume (pass False to keep it). wait_for_inflight_requests (vLLM's older
+        argument): True is mode "wait"."""
         if wait_for_inflight_requests:
             mode = "wait"
         await self._call("pause_generation", mode, clear_cache)

@@ -29,7 +29,10 @@ process and the in-process client call them by name):
   `pending_outputs`), so no step is in flight and none starts while weights are copied; `update_weights` moves
   weights into the existing parameters (the worker: vllm/v1/worker/weight_update.py); `finish_weight_update`
   sets the new `weight_version` and lifts the halt (unless paused in keep mode). Every step's outputs carry the
-  weight version that computed them.
+  weight version that computed them. Finishing an update (also a failed one) invalidates the prefix cache
+  (KVCacheManager.invalidate_prefix_cache): no KV computed with the old weights is found again.
+- Prefix cache: `reset_prefix_cache(reset_running_requests)` (vLLM's semantics); a pause with `clear_cache`
+  resets it once paused, preempting the requests kept in keep mode (they recompute their KV after resume).
 - `collective_rpc` runs a worker method (or a worker extension's, `worker_extension_cls`) after draining.
 Outputs made outside a step (the drained steps', the aborts of a pause) wait in `pending_outputs`; the caller
 sends them before anything else, and before the call's result.
@@ -152,7 +155,8 @@ class EngineCore:
 
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> Deferred:
         """Pause (module docstring); ready once nothing of the mode's is left running. Pausing again changes the
-        mode. clear_cache: there is no prefix cache to clear (KV blocks are never reused across requests)."""
+        mode. clear_cache: once paused, reset the prefix cache, preempting the requests a keep-mode pause kept
+        (vLLM's pause_scheduler does the same)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"Unknown pause mode {mode!r}; expected one of {', '.join(PAUSE_MODES)}.")
         self.pause_mode = mode
@@ -160,10 +164,14 @@ class EngineCore:
         self._set_halt()
         if mode == "abort":
             self.abort_all_requests()
+
+        def done() -> None:
+            if clear_cache:
+                self.scheduler.reset_prefix_cache(reset_running_requests=True)
+
         if mode == "wait":
-            return Deferred(lambda: not self.batch_queue and not self.scheduler.has_unfinished_requests(),
-                            lambda: None)
-        return Deferred(lambda: not self.batch_queue, lambda: None)
+            return Deferred(lambda: not self.batch_queue and not self.scheduler.has_unfinished_requests(), done)
+        return Deferred(lambda: not self.batch_queue, done)
 
     def abort_all_requests(self) -> int:
         """Abort every request (running, waiting, held); each gets an ABORT output of its own now, not only a
@@ -197,9 +205,12 @@ class EngineCore:
         return self.pause_mode is not None
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        """There is no prefix cache: a request's KV blocks are freed when it ends and never reused, so nothing can
-        be stale; True (done) for any arguments."""
-        return True
+        """Forget every cached KV block; False (nothing changes) while requests hold blocks, unless
+        `reset_running_requests`, which drains the steps in flight and preempts every running request first
+        (vLLM's semantics). reset_connector: there is no KV connector."""
+        if reset_running_requests:
+            self._drain()
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -239,6 +250,7 @@ class EngineCore:
         finally:
             self.updating_weights = False
             self._set_halt()
+            self.scheduler.kv_cache_manager.invalidate_prefix_cache()
         if weight_version is not None:
             self.weight_version = weight_version
 

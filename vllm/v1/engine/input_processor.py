@@ -13,6 +13,7 @@ Invariants of the returned request:
   400 and message).
 - `sampling_params.return_sampling_mask` is resolved to a bool: True iff the engine flag is on and the request
   did not opt out.
+- `cache_salt` is None or a non-empty string (a prompt dict's "cache_salt").
 - `eos_token_id` is the tokenizer's EOS (or generation_config.json / config.json's when there is no tokenizer);
   the other generation-config EOS ids are added to the stop token ids unless `ignore_eos`.
 """
@@ -44,6 +45,17 @@ def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_l
             f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
             f"length is {max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
             f"({max_tokens} > {max_model_len} - {num_prompt_tokens}).", parameter=parameter, value=max_tokens)
+
+
+def check_cache_salt(cache_salt: object) -> str | None:
+    """vLLM's rule for `cache_salt`: None, or a non-empty string (valid Unicode: it is hashed as UTF-8)."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise VLLMValidationError("Parameter 'cache_salt' must be a non-empty string if provided.",
+                                  parameter="cache_salt")
+    check_unicode(cache_salt, "cache_salt")
+    return cache_salt
 
 
 def _asks_for_nothing(value: object) -> bool:
@@ -86,8 +98,8 @@ class InputProcessor:
                 names = ", ".join(sorted(map(repr, unknown)))
                 raise VLLMValidationError(
                     f"Unsupported prompt key(s): {names}. This engine takes only 'prompt' (text) and "
-                    "'prompt_token_ids' (list of ints): it has no multimodal inputs, prompt embeddings, cache salts "
-                    "or encoder-decoder prompts. Remove the key(s), or leave them None or empty.",
+                    "'prompt_token_ids' (list of ints), with an optional 'cache_salt': it has no multimodal inputs, "
+                    "prompt embeddings or encoder-decoder prompts. Remove the key(s), or leave them None or empty.",
                     parameter=str(sorted(unknown)[0]))
             text = prompt.get("prompt")
             token_ids = prompt.get("prompt_token_ids")
@@ -172,6 +184,7 @@ class InputProcessor:
             raise VLLMValidationError(f"priority={priority!r} is not supported: requests are scheduled first come, "
                                       "first served (no priority scheduling); pass priority=0.", parameter="priority")
         prompt_token_ids, prompt_text = self._tokenize(prompt, add_special_tokens)
+        cache_salt = check_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         self._validate_prompt(prompt_token_ids)
         self._validate_params(params)
 
@@ -195,5 +208,6 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
+            cache_salt=cache_salt,
         )
         return request, prompt_text

@@ -85,8 +85,9 @@ class LLMEngine:
         self.add_processed_request(request, prompt_text)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        """Always True: there is no prefix cache to reset (see AsyncLLM.reset_prefix_cache)."""
-        return True
+        """Forget every cached KV block (EngineCore.reset_prefix_cache): False while requests hold blocks, unless
+        reset_running_requests (which preempts them first)."""
+        return self.engine_core.call_utility("reset_prefix_cache", reset_running_requests, reset_connector)
 
     def sleep(self, level: int = 1) -> None:
         refuse_sleep_mode()

@@ -50,6 +50,12 @@ class PrometheusStatLogger:
         self.num_gpu_blocks = num_gpu_blocks
         self.counter_preemptions = prom.Counter("vllm:num_preemptions", "Preemptions.", labels,
                                                 registry=r).labels(model_name)
+        self.counter_prefix_cache_queries = prom.Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", labels,
+            registry=r).labels(model_name)
+        self.counter_prefix_cache_hits = prom.Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels,
+            registry=r).labels(model_name)
         self.counter_prompt_tokens = prom.Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels,
                                                   registry=r).labels(model_name)
         self.counter_generation_tokens = prom.Counter("vllm:generation_tokens", "Generated tokens.", labels,
@@ -76,6 +82,9 @@ class PrometheusStatLogger:
         self.gauge_kv_used_blocks.set(round(stats.kv_cache_usage * self.num_gpu_blocks))
         if stats.num_preemptions:
             self.counter_preemptions.inc(stats.num_preemptions)
+        if stats.prefix_cache_queries:
+            self.counter_prefix_cache_queries.inc(stats.prefix_cache_queries)
+            self.counter_prefix_cache_hits.inc(stats.prefix_cache_hits)
         if stats.sampling_mask_sizes:
             _observe_many(self.hist_mask_size, stats.sampling_mask_sizes)
         if stats.num_sampling_mask_overflow_rows:

@@ -13,6 +13,29 @@ from vllm.v1.engine import EngineCoreOutput
 
 
 @dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last report (vLLM's): `queries` counts the tokens of the requests looked
+    up at admission, `hits` the tokens found cached; requests resumed after a preemption are counted apart."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+@dataclass(slots=True)
 class RequestTimes:
     arrival_time: float
     num_prompt_tokens: int

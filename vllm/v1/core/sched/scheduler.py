@@ -4,7 +4,8 @@ There are no prefill/decode phases. Each step, every running request (in arrival
 `num_tokens - num_computed_tokens` tokens, capped by the remaining token budget, so chunked prefill and decode
 are the same thing. When the KV cache cannot hold a running request's new tokens, the last running request is
 preempted (its blocks freed, recomputed from scratch later) until it fits. Waiting requests are admitted only
-in steps without a preemption, first come first served.
+in steps without a preemption, first come first served; with prefix caching a request is admitted with its
+cached leading blocks and its `num_computed_tokens` after them (kv_cache_manager.py), also when it resumes.
 
 Invariants:
 - `running` holds RUNNING requests, `waiting` holds WAITING or PREEMPTED ones, `held` WAITING ones added while
@@ -63,7 +64,8 @@ class Scheduler:
                 f"({num_gpu_blocks * self.block_size} tokens), fewer than max_model_len={self.max_model_len}: "
                 f"lower --max-model-len to at most that, or give the KV cache more memory "
                 f"(at least {cdiv(self.max_model_len, self.block_size)} blocks).")
-        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, self.max_model_len,
+                                               enable_caching=bool(vllm_config.cache_config.enable_prefix_caching))
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -229,10 +231,18 @@ class Scheduler:
         if num_preempted == 0:
             while self.waiting and token_budget > 0 and len(running) < self.max_num_seqs:
                 request = self.waiting[0]
+                # Prefix caching: start after the longest cached run of its leading full blocks (none: []).
+                hit_blocks = kv_cache_manager.get_computed_blocks(request)
+                num_hit_tokens = len(hit_blocks) * block_size
+                request.num_computed_tokens = num_hit_tokens
                 num_new_tokens = self._num_new_tokens(request, token_budget)
                 assert num_new_tokens > 0
-                if kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                if kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+                    request.num_computed_tokens = 0
                     break
+                kv_cache_manager.record_admission(request, num_hit_tokens)
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
                 self.waiting.popleft()
                 running.append(request)
                 request.status = RequestStatus.RUNNING
@@ -350,8 +360,11 @@ class Scheduler:
                     new_token_ids=new_token_ids,
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
-                    num_cached_tokens=0,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
                 ))
+            elif request.num_cached_tokens > 0 and len(request.output_token_ids) == len(new_token_ids):
+                # Its first output carries its prefix-cache hit (the frontend keeps it; the final one repeats it).
+                append_output(EngineCoreOutput(req_id, new_token_ids, num_cached_tokens=request.num_cached_tokens))
             else:
                 # NOTE: an unfinished request has no finish reason and no stop reason (only check_stop sets one,
                 # when it finishes the request); the other fields keep their defaults.
@@ -435,7 +448,9 @@ class Scheduler:
 
     def make_stats(self, sampling_mask_sizes: list[int] | None = None,
                    num_sampling_mask_overflow_rows: int = 0) -> SchedulerStats:
-        """Current queue sizes and KV usage; `num_preemptions` counts the preemptions of the last step."""
+        """Current queue sizes and KV usage; `num_preemptions` counts the preemptions of the last step, the prefix
+        cache's queries and hits those since the last stats were made."""
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.held),
@@ -443,7 +458,18 @@ class Scheduler:
             num_preemptions=self._step_num_preemptions,
             sampling_mask_sizes=sampling_mask_sizes if sampling_mask_sizes is not None else [],
             num_sampling_mask_overflow_rows=num_sampling_mask_overflow_rows,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
         )
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block (vLLM's semantics): False while requests hold blocks, unless
+        `reset_running_requests`, which first preempts every running request (each resumes later, recomputing its
+        KV; they keep their places, in order). The caller makes sure no step is in flight."""
+        if reset_running_requests:
+            while self.running:
+                self._preempt(self.running.pop())
+        return self.kv_cache_manager.reset_prefix_cache()
 
 
 def _request_row_settings(reqs: list[Request]) -> StepRowSettings:
