@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import RemoteServer, start_server, stop_server
+from conftest import MODEL, RemoteServer, start_server, stop_server
 
 PROMPT = list(range(40, 58))  # 18 tokens: 16 cached on a repeat
 
@@ -31,7 +31,7 @@ def server() -> Iterator[RemoteServer]:
 
 
 def _complete(http: httpx.Client, **body: Any) -> dict[str, Any]:
-    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, **body}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, **body}
     resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -53,19 +53,19 @@ def test_completions_report_cached_tokens_and_salts_isolate(server: RemoteServer
         assert _cached(_complete(http, cache_salt="user-a")) == 16
         # Streamed: the final usage chunk carries it.
         with http.stream("POST", "/v1/completions", json={
-                "model": "tiny-llama", "prompt": PROMPT, "max_tokens": 3, "stream": True,
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True,
                 "stream_options": {"include_usage": True}}) as resp:
             usage = [line for line in resp.iter_lines() if '"usage":{' in line.replace(" ", "")]
         assert len(usage) == 1 and '"cached_tokens":16' in usage[0].replace(" ", "")
         for bad in ("", 5):
-            resp = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": PROMPT, "cache_salt": bad})
+            resp = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "cache_salt": bad})
             assert resp.status_code == 400, resp.text
             assert "cache_salt" in resp.text
 
 
 def test_chat_and_generate_take_a_salt(server: RemoteServer) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        body = {"model": "tiny-llama", "max_tokens": 2, "temperature": 0, "cache_salt": "chat-salt",
+        body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "cache_salt": "chat-salt",
                 "messages": [{"role": "user", "content": "Tell me about block tables and paged attention."}]}
         first = http.post("/v1/chat/completions", json=body).json()
         second = http.post("/v1/chat/completions", json=body).json()
@@ -86,7 +86,7 @@ def test_chat_and_generate_take_a_salt(server: RemoteServer) -> None:
 def test_reset_prefix_cache_is_409_while_blocks_are_held(server: RemoteServer) -> None:
     with httpx.Client(base_url=server.url, timeout=120) as http:
         _complete(http)
-        long = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "stream": True}
+        long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "stream": True}
         started, done = threading.Event(), threading.Event()
         texts: list[str] = []
 
