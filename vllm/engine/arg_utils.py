@@ -15,7 +15,6 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any
 
-from vllm.utils import SLEEP_MODE_UNSUPPORTED
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
 _CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
@@ -80,7 +79,6 @@ class EngineArgs:
     (CUDA IPC handles from a process on the same GPU) or "disk" (a folder of safetensors); a dict or a
     WeightTransferConfig from Python."""
     enable_sleep_mode: bool = False
-    """Only False: sleep mode is not supported yet (the engine keeps its GPU memory between rollouts)."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
@@ -108,8 +106,6 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> VllmConfig:
-        if self.enable_sleep_mode:
-            raise ValueError(f"enable_sleep_mode=True: {SLEEP_MODE_UNSUPPORTED}")
         if self.enable_lora:
             raise ValueError("enable_lora=True is not supported: this engine has no LoRA; use enable_lora=False "
                              "(--no-enable-lora) and merge the adapter into the model's weights.")
@@ -118,7 +114,8 @@ class EngineArgs:
             seed=self.seed, max_model_len=self.max_model_len, skip_tokenizer_init=self.skip_tokenizer_init,
             load_format=self.load_format, logprobs_mode=self.logprobs_mode, max_logprobs=self.max_logprobs,
             return_sampling_mask=self.return_sampling_mask, enforce_eager=self.enforce_eager,
-            cudagraph_capture_sizes=self.cudagraph_capture_sizes, trust_remote_code=self.trust_remote_code)
+            cudagraph_capture_sizes=self.cudagraph_capture_sizes, trust_remote_code=self.trust_remote_code,
+            enable_sleep_mode=self.enable_sleep_mode)
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

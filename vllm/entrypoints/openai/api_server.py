@@ -74,6 +74,7 @@ from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.config import VllmConfig
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, launch_engine_core
+from vllm.v1.engine.sleep_mode import EngineSleepingError
 from vllm.v1.metrics.gc_timing import GcTimer
 from vllm.v1.serving_gc import freeze_startup_heap
 
@@ -232,6 +233,10 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
 
     @app.exception_handler(ServerShuttingDownError)
     async def on_shutting_down(request: Request, exc: ServerShuttingDownError) -> JSONResponse:
+        return _error(str(exc), 503, "ServiceUnavailableError")
+
+    @app.exception_handler(EngineSleepingError)
+    async def on_sleeping(request: Request, exc: EngineSleepingError) -> JSONResponse:
         return _error(str(exc), 503, "ServiceUnavailableError")
 
     @app.exception_handler(StarletteHTTPException)
