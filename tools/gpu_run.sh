@@ -7,6 +7,7 @@
 # CPU machine): the summary in $OUT/cuda_suite.txt, the full log with each failure in $OUT/cuda_suite_full.txt.
 #   device run: bash tools/gpu_run.sh cuda_tests    (carry .whl)
 # Stage `tests` runs only the GPU kernels' and the worker's tests, or TEST_PATHS.
+# Stage `sleep` is sleep mode's CUDA tests and benchmark (docs/rl.md, docs/benchmarks.md).
 # Stage `acceptance` is the GPU issue's three-arm A/B with two rounds (medians), `acceptance_rounds` the same with
 # three rounds of no mask and mask and one of the pre-change arm; stage `diagnose` the next
 # experiments on the mask arm's step (host or device, launch-ahead, deferred mask lists), `ahead_offline` the
@@ -59,6 +60,11 @@ for s in $stages; do
         --load-format dummy --skip-tokenizer-init --max-num-seqs 512 --num-prompts 64 256 512 \
         --input-len 128 --output-len 256 --temperature 1.0 --top-p 0.95 --top-k 512 \
         --json-out "$OUT/throughput_base.json" 2>&1 | grep -v Warning | tee "$OUT/throughput_base.txt") ;;
+    sleep)  # sleep mode (docs/rl.md): its CUDA tests (memory freed, same addresses, graphs replay), then the
+      # benchmark at gpu_memory_utilization 0.9: memory held awake / asleep, sleep and wake times, throughput (~3 min)
+      python3 -m pytest -q -p no:cacheprovider -rfE tests/v1/worker/test_sleep_cuda.py 2>&1 | tail -15 \
+        | tee "$OUT/sleep_tests.txt"
+      python3 benchmarks/benchmark_sleep.py --json-out "$OUT/sleep.json" 2>&1 | grep -v Warning | tee "$OUT/sleep.txt" ;;
     weight_update)  # in-place weight updates (docs/rl.md): disk from the page cache, IPC from a second process
       python3 benchmarks/benchmark_weight_update.py --json-out "$OUT/weight_update.json" 2>&1 | grep -v Warning \
         | tee "$OUT/weight_update.txt" ;;

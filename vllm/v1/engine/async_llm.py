@@ -302,7 +302,10 @@ class AsyncLLM:
         the steps in flight; one result per worker. TimeoutError after `timeout` seconds (the call itself runs
         on)."""
         call = self._call("collective_rpc", method, timeout, tuple(args), kwargs)
-        return await (asyncio.wait_for(call, timeout) if timeout is not None else call)
+        results = await (asyncio.wait_for(call, timeout) if timeout is not None else call)
+        if method in ("sleep", "wake_up"):  # the engine's sleep mode (verl's hybrid engine calls it so)
+            self.sleeping = await self._call("is_sleeping")
+        return results
 
     async def init_weight_transfer_engine(self, init_info: Any) -> None:
         """Join the trainer's weight-transfer group ({"master_address", "master_port", "rank_offset",

@@ -95,7 +95,7 @@ class EngineSleepMixin:
         self.sleep_halted = True
         self._set_halt()
         self._drain()
-        self.reset_prefix_cache(reset_running_requests=True)
+        self.reset_prefix_cache()
         if level > 0:
             self.worker.sleep(level)
         self.sleep_level = max(level, self.sleep_level or 0)
