@@ -97,7 +97,6 @@ class Sleeper:
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.device = device
         self.asleep: set[str] = set()
-        self.level = 0
         # The weights' host copy (level 1), or the model buffers' copies (level 2).
         self._weights_copy: torch.Tensor | None = None
         self._buffer_copies: list[tuple[int, torch.Tensor]] = []
@@ -199,7 +198,6 @@ class Sleeper:
                 region.release()
                 released += region.nbytes
                 self.asleep.add(tag)
-        self.level = max(self.level, level)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         logger.info("Sleep level %d: released %.2f GiB in %.3f s", level, released / (1 << 30),
@@ -211,9 +209,8 @@ class Sleeper:
         t0 = time.perf_counter()
         wanted = SLEEP_TAGS if tags is None else tuple(tags)
         regions = self._regions()
-        for tag in wanted:
-            if tag not in self.asleep or tag not in regions:
-                continue
+        woken = [tag for tag in wanted if tag in self.asleep and tag in regions]
+        for tag in woken:
             region = regions[tag]
             region.restore()
             if tag == "weights":
@@ -228,9 +225,8 @@ class Sleeper:
             if tag == "weights":
                 self._weights_copy, self._buffer_copies = None, []
             self.asleep.discard(tag)
-        if not self.asleep:
-            self.level = 0
-        logger.info("Woke %s in %.3f s", ", ".join(wanted), time.perf_counter() - t0)
+        if woken:
+            logger.info("Woke %s in %.3f s", ", ".join(woken), time.perf_counter() - t0)
 
     def check_awake(self, tag: str, what: str) -> None:
         if tag in self.asleep:
