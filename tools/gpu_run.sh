@@ -10,8 +10,9 @@
 # Stages of docs/benchmarks.md: `backend` (Triton attention vs the torch reference), `mask`, `attn`, `topk`,
 # `sampler` (kernel benchmarks), `kprof` (the decode step kernel by kernel), `throughput` (offline, no mask),
 # `offline_mask` (offline without / with masks), `ab` (the serving A/B, AB_ARGS), `acceptance_rounds` (the serving
-# A/B of the headline: no mask and mask, three rounds), `weight_update` (RL weight updates). `offline_trees`
-# compares source trees offline (TREES; tools/snap_trees.sh), tools/gpu_ab_trees.sh the same for the serving A/B.
+# A/B of the headline: no mask and mask, three rounds), `weight_update` (RL weight updates), `sleep` (sleep mode's
+# CUDA tests and benchmark). `offline_trees` compares source trees offline (TREES; tools/snap_trees.sh),
+# tools/gpu_ab_trees.sh the same for the serving A/B.
 # Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), KPROF_ARGS, AB_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) and the GPU's clocks and throttle reasons while the stages run.
 set -uo pipefail
@@ -49,6 +50,11 @@ for s in $stages; do
     backend) python3 tools/gpu_backend_check.py 2>&1 | grep -v Warning | tee "$OUT/backend_check.txt" ;;
     mask) python3 benchmarks/kernels/benchmark_sampling_mask.py ${MASK_ARGS:-} --out "$OUT/mask_bench.json" 2>&1 | tee "$OUT/mask_bench.txt" ;;
     attn) python3 benchmarks/kernels/benchmark_attention.py --batch-sizes 64 256 512 --context 384 2>&1 | tee "$OUT/attn_bench.txt" ;;
+    sleep)  # sleep mode (docs/rl.md): its CUDA tests (memory freed, same addresses, graphs replay), then the
+      # benchmark at gpu_memory_utilization 0.9: memory held awake / asleep, sleep and wake times, throughput (~3 min)
+      python3 -m pytest -q -p no:cacheprovider -rfE tests/v1/worker/test_sleep_cuda.py 2>&1 | tail -15 \
+        | tee "$OUT/sleep_tests.txt"
+      python3 benchmarks/benchmark_sleep.py --json-out "$OUT/sleep.json" 2>&1 | grep -v Warning | tee "$OUT/sleep.txt" ;;
     weight_update)  # in-place weight updates (docs/rl.md): disk from the page cache, IPC from a second process
       python3 benchmarks/benchmark_weight_update.py --json-out "$OUT/weight_update.json" 2>&1 | grep -v Warning \
         | tee "$OUT/weight_update.txt" ;;

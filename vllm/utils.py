@@ -35,15 +35,6 @@ def warning_once(logger: logging.Logger, message: str) -> None:
         logger.warning(message)
 
 
-SLEEP_MODE_UNSUPPORTED = ("sleep mode is not supported yet: the engine keeps its GPU memory between rollouts "
-                          "(enable_sleep_mode must be False; sleep/wake_up cannot be called).")
-
-
-def refuse_sleep_mode() -> None:
-    """`sleep()` / `wake_up()` (vLLM's sleep mode): refused by name until it exists."""
-    raise ValueError(SLEEP_MODE_UNSUPPORTED)
-
-
 def unwrap_info(value: object, key: str) -> dict:
     """The info dict of a weight-transfer call: given as is, as `{key: info}` (the HTTP body), or as an object
     with a `key` attribute (vLLM's request dataclasses)."""

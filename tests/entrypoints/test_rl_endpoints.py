@@ -209,8 +209,8 @@ def test_bad_admin_calls_are_400_and_change_nothing(disk_server: RemoteServer, t
         assert http.get("/weight_info").json() == named  # a refused load names nothing
         _error(http.post("/update_weights", json={"weight_dir": "/x", "weight_version": 7}), 400, "weight_version")
         _error(http.post("/collective_rpc", json={"method": "probe_report", "timeout": -1}), 400, "timeout")
-        _error(http.post("/sleep", params={"level": 1}), 400, "sleep mode is not supported yet")
-        _error(http.post("/wake_up"), 400, "sleep mode is not supported yet")
+        _error(http.post("/sleep", params={"level": 1}), 400, "Sleep mode is off")
+        assert http.post("/wake_up").status_code == 200  # awake: nothing to do
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         _error(http.post("/abort_requests", json={"request_ids": "all"}), 400, "request_ids")
         assert http.post("/start_weight_update").status_code == 200

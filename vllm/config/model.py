@@ -80,6 +80,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Accepted for vLLM compatibility; no effect: only the built-in architectures (Llama, Qwen2, Qwen3) load,
     and no code from a checkpoint folder ever runs."""
+    enable_sleep_mode: bool = False
+    """Sleep mode for colocated training (docs/rl.md): `sleep(level)` hands the weights' and the KV cache's
+    device memory back and `wake_up(tags)` takes it again at the same addresses (CUDA graphs stay valid)."""
 
     generation_config: str = "auto"
     """Where requests' default sampling values come from: auto (the model folder's generation_config.json), vllm

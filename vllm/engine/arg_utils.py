@@ -16,7 +16,6 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any
 
-from vllm.utils import SLEEP_MODE_UNSUPPORTED
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
 _CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
@@ -81,7 +80,6 @@ class EngineArgs:
     (CUDA IPC handles from a process on the same GPU) or "disk" (a folder of safetensors); a dict or a
     WeightTransferConfig from Python."""
     enable_sleep_mode: bool = False
-    """Only False: sleep mode is not supported yet (the engine keeps its GPU memory between rollouts)."""
     generation_config: str = "auto"
     override_generation_config: Any = None
 
@@ -111,8 +109,6 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> VllmConfig:
-        if self.enable_sleep_mode:
-            raise ValueError(f"enable_sleep_mode=True: {SLEEP_MODE_UNSUPPORTED}")
         if self.enable_lora:
             raise ValueError("enable_lora=True is not supported: this engine has no LoRA; use enable_lora=False "
                              "(--no-enable-lora) and merge the adapter into the model's weights.")
@@ -123,7 +119,8 @@ class EngineArgs:
             return_sampling_mask=self.return_sampling_mask, enforce_eager=self.enforce_eager,
             cudagraph_capture_sizes=self.cudagraph_capture_sizes, trust_remote_code=self.trust_remote_code,
             generation_config=self.generation_config,
-            override_generation_config=_json_object(self.override_generation_config, "override_generation_config"))
+            override_generation_config=_json_object(self.override_generation_config, "override_generation_config"),
+            enable_sleep_mode=self.enable_sleep_mode)
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

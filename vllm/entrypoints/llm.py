@@ -147,11 +147,14 @@ class LLM:
     def get_weight_version(self) -> str | None:
         return self.llm_engine.get_weight_version()
 
-    def sleep(self, level: int = 1) -> None:
-        """Sleep mode is not supported yet (ValueError, see LLMEngine.sleep)."""
-        self.llm_engine.sleep(level)
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Hand the device memory back (needs enable_sleep_mode=True; docs/rl.md, "Sleep mode"): level 1 keeps the
+        weights on the host, level 2 discards them (update them before generating again). `generate` raises
+        ValueError until `wake_up`."""
+        self.llm_engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: tags ["weights"], ["kv_cache"] one at a time, or None for both."""
         self.llm_engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:

@@ -111,10 +111,9 @@ def test_bad_lifecycle_calls_are_refused_and_change_nothing(llm: LLM, reference:
         llm.start_weight_update()
     llm.finish_weight_update()
     assert llm.get_weight_version() is None
-    with pytest.raises(ValueError, match="sleep mode is not supported yet"):
+    with pytest.raises(ValueError, match="Sleep mode is off"):
         llm.sleep(level=1)
-    with pytest.raises(ValueError, match="sleep mode is not supported yet"):
-        _llm(False, enable_sleep_mode=True)
+    assert not llm.is_sleeping()
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference
 
 

@@ -18,7 +18,9 @@ weights from any folder the server can read, and run worker methods by name, so 
   {"status": "ok"}; GET /liveness (503 once the engine core died).
 - POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]} (504 after
   timeout).
-- Sleep mode is not supported yet: /sleep and /wake_up answer 400 saying so; GET /is_sleeping -> false.
+- Sleep mode (vLLM's, with --enable-sleep-mode): POST /sleep?level=1|2&mode=abort|wait|keep and POST
+  /wake_up?tags=weights&tags=kv_cache (repeated query parameter; none: all) -> 200, empty body, as vLLM; GET
+  /is_sleeping -> {"is_sleeping": bool}. While asleep, generation requests get 503 (api_server.py).
 Bad input is a 400 with an OpenAI error body; a refused weight update changes no weight.
 """
 
@@ -32,7 +34,6 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.serving_engine import error_body
-from vllm.utils import SLEEP_MODE_UNSUPPORTED
 from vllm.v1.engine.async_llm import AsyncLLM
 
 
@@ -210,12 +211,19 @@ def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
         return JSONResponse({"status": "ok"})
 
     @router.post("/sleep")
-    async def sleep() -> JSONResponse:
-        raise ValueError(SLEEP_MODE_UNSUPPORTED)
+    async def sleep(raw: Request) -> Response:
+        level = raw.query_params.get("level", "1")
+        try:
+            level_int = int(level)
+        except ValueError:
+            raise ValueError(f"Query parameter level={level!r} is not an integer (0, 1 or 2).") from None
+        await engine.sleep(level_int, raw.query_params.get("mode", "abort"))
+        return Response(status_code=200)
 
     @router.post("/wake_up")
-    async def wake_up() -> JSONResponse:
-        raise ValueError(SLEEP_MODE_UNSUPPORTED)
+    async def wake_up(raw: Request) -> Response:
+        await engine.wake_up(raw.query_params.getlist("tags") or None)
+        return Response(status_code=200)
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> JSONResponse:

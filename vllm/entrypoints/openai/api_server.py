@@ -80,6 +80,7 @@ from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, launch_engine_core
+from vllm.v1.engine.sleep_mode import EngineSleepingError
 from vllm.v1.serving_gc import freeze_startup_heap
 
 logger = logging.getLogger("vllm.entrypoints.openai.api_server")
@@ -275,6 +276,10 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
 
     @app.exception_handler(ServerShuttingDownError)
     async def on_shutting_down(request: Request, exc: ServerShuttingDownError) -> JSONResponse:
+        return _error(str(exc), 503, "ServiceUnavailableError")
+
+    @app.exception_handler(EngineSleepingError)
+    async def on_sleeping(request: Request, exc: EngineSleepingError) -> JSONResponse:
         return _error(str(exc), 503, "ServiceUnavailableError")
 
     @app.exception_handler(StarletteHTTPException)

@@ -23,7 +23,7 @@ _ERRORS = {
     404: "The model is not served here.",
     413: "The request body is larger than --max-request-body-bytes.",
     500: "Internal error (the engine died).",
-    503: "The server is shutting down.",
+    503: "The server is shutting down, or the engine is asleep (sleep mode).",
 }
 
 

@@ -2,7 +2,7 @@
 
 Errors are raised as exceptions and turned into OpenAI-style bodies by the server's exception handlers:
 ValueError -> 400 (a VLLMValidationError's `parameter` becomes the body's `param`), `NotFoundError` -> 404,
-EngineDeadError -> 500, ServerShuttingDownError -> 503. Bounds that need the prompt's length (`check_max_tokens`)
+EngineDeadError -> 500, ServerShuttingDownError and EngineSleepingError -> 503. Bounds that need the prompt's length (`check_max_tokens`)
 are checked by the handlers before a request is added; texts are checked against the context in characters before
 they are tokenized, and long ones are tokenized in the preprocess pool (request_limits.py), off the event loop.
 """
@@ -21,6 +21,7 @@ from vllm.outputs import CompletionOutput, Logprob
 from vllm.transformers_utils.tokenizer import Tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM, OutputStream
 from vllm.v1.engine.core_client import EngineDeadError
+from vllm.v1.engine.sleep_mode import EngineSleepingError
 from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, check_prompt_chars
 from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                               ChatCompletionLogProbsContent, ErrorInfo,
@@ -270,7 +271,7 @@ async def stream_errors(gen: AsyncGenerator[bytes, None]) -> AsyncGenerator[byte
         except EngineDeadError as e:
             yield sse(error_body(f"The engine died: {e}", 500, "InternalServerError"))
             yield SSE_DONE
-        except ServerShuttingDownError as e:
+        except (ServerShuttingDownError, EngineSleepingError) as e:
             yield sse(error_body(str(e), 503, "ServiceUnavailableError"))
             yield SSE_DONE
 

@@ -27,12 +27,13 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
-from vllm.utils import refuse_sleep_mode, refuse_stat_loggers, unwrap_info
+from vllm.utils import refuse_stat_loggers, unwrap_info
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import AsyncMPClient, EngineCoreHandle, EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_collector import RequestOutputCollector
 from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.engine.sleep_mode import EngineSleepingError
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import RequestStatsTracker
 
@@ -142,6 +143,10 @@ class AsyncLLM:
         self.request_stats = RequestStatsTracker()
         self.output_handler: asyncio.Task | None = None
         self._background_tasks: set[asyncio.Task] = set()
+        # What this frontend last learnt of sleep mode (its own sleep / wake_up / is_sleeping calls): new
+        # requests are refused while true. NOTE: another API server's sleep call is not seen here; the engine
+        # core then ends such requests at once (finish_reason "abort").
+        self.sleeping = False
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig, start_engine_loop: bool = True, usage_context: Any = None,
@@ -190,6 +195,8 @@ class AsyncLLM:
         """Validate, register and send one request; raises ValueError (bad input, a lora_request, a priority
         other than 0) or EngineDeadError."""
         await self.check_health()
+        if self.sleeping:
+            raise EngineSleepingError("The engine is asleep (sleep mode): call wake_up before sending requests.")
         request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, time.time(),
                                                                    lora_request=lora_request, priority=priority)
         if self.log_requests:
@@ -242,14 +249,24 @@ class AsyncLLM:
         return await self._call("reset_prefix_cache", reset_running_requests, reset_connector)
 
     async def is_sleeping(self) -> bool:
-        """Always False: sleep mode is not supported, the engine is always awake."""
-        return False
+        """Whether the engine core sleeps (at any level, partly woken included)."""
+        self.sleeping = await self._call("is_sleeping")
+        return self.sleeping
 
-    async def sleep(self, level: int = 1) -> None:
-        refuse_sleep_mode()
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Sleep mode (vllm/v1/engine/sleep_mode.py; needs enable_sleep_mode for levels 1 and 2): the requests
+        in the engine are handled by `mode` as a pause's; new ones raise EngineSleepingError (HTTP 503) here
+        until `wake_up` has woken every tag."""
+        self.sleeping = True
+        try:
+            await self._call("sleep", level, mode)
+        except BaseException:
+            self.sleeping = await self._call("is_sleeping")
+            raise
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        refuse_sleep_mode()
+        """Memory back for tags ("weights", "kv_cache", "scheduling"; None: all), one at a time if wanted."""
+        self.sleeping = not await self._call("wake_up", tags)
 
     # ------------------------------------------------------------------ the RL lifecycle (docs/rl.md)
 
@@ -285,7 +302,10 @@ class AsyncLLM:
         the steps in flight; one result per worker. TimeoutError after `timeout` seconds (the call itself runs
         on)."""
         call = self._call("collective_rpc", method, timeout, tuple(args), kwargs)
-        return await (asyncio.wait_for(call, timeout) if timeout is not None else call)
+        results = await (asyncio.wait_for(call, timeout) if timeout is not None else call)
+        if method in ("sleep", "wake_up"):  # the engine's sleep mode (verl's hybrid engine calls it so)
+            self.sleeping = await self._call("is_sleeping")
+        return results
 
     async def init_weight_transfer_engine(self, init_info: Any) -> None:
         """Join the trainer's weight-transfer group ({"master_address", "master_port", "rank_offset",

@@ -34,6 +34,8 @@ process and the in-process client call them by name):
 - Prefix cache: `reset_prefix_cache(reset_running_requests)` (vLLM's semantics); a pause with `clear_cache`
   resets it once paused, preempting the requests kept in keep mode (they recompute their KV after resume).
 - `collective_rpc` runs a worker method (or a worker extension's, `worker_extension_cls`) after draining.
+- Sleep mode (`sleep`, `wake_up`, `is_sleeping`; vllm/v1/engine/sleep_mode.py): halts scheduling like a pause
+  and has the worker release the weights' and the KV cache's memory.
 Outputs made outside a step (the drained steps', the aborts of a pause) wait in `pending_outputs`; the caller
 sends them before anything else, and before the call's result.
 """
@@ -51,6 +53,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStepError,
                              FinishReason)
+from vllm.v1.engine.sleep_mode import SLEEP_UTILITY_METHODS, EngineSleepMixin
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
 from vllm.v1.worker.worker import Worker, make_worker
@@ -61,7 +64,7 @@ _BATCH_QUEUE_SIZE = 2
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-class EngineCore:
+class EngineCore(EngineSleepMixin):
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.worker: Worker = make_worker(vllm_config)
@@ -84,10 +87,13 @@ class EngineCore:
         self.updating_weights = False
         self.weight_version: str | None = None
         self.pending_outputs: deque[EngineCoreOutputs] = deque()
+        self._init_sleep()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"Request id {request.request_id!r} is already running.")
+        if self._refuse_while_sleeping(request):
+            return
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -136,7 +142,7 @@ class EngineCore:
         "pause_generation", "resume_generation", "is_paused", "abort_all_requests", "generation_halted",
         "collective_rpc", "reset_prefix_cache", "init_weight_transfer_engine", "start_weight_update",
         "update_weights", "finish_weight_update", "get_weight_version", "update_weight_version", "weight_info",
-        "load_weights_from_disk", "init_broadcaster", "load_weights_from_broadcast"})
+        "load_weights_from_disk", "init_broadcaster", "load_weights_from_broadcast"}) | SLEEP_UTILITY_METHODS
 
     def _drain(self) -> None:
         """Finish every step in flight now (no new one is launched); their outputs go to `pending_outputs`."""
@@ -151,7 +157,7 @@ class EngineCore:
             self.pending_outputs.append(outputs)
 
     def _set_halt(self) -> None:
-        self.scheduler.halted = self.pause_mode == "keep" or self.updating_weights
+        self.scheduler.halted = self.pause_mode == "keep" or self.updating_weights or self.sleep_halted
 
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> Deferred:
         """Pause (module docstring); ready once nothing of the mode's is left running. Pausing again changes the
@@ -187,7 +193,9 @@ class EngineCore:
         return len(request_ids)
 
     def generation_halted(self) -> str | None:
-        """Why nothing is scheduled now (a pause, a weight update in progress), or None."""
+        """Why nothing is scheduled now (sleep, a pause, a weight update in progress), or None."""
+        if self.sleep_level is not None:
+            return "the engine is asleep (sleep mode; call wake_up)"
         if self.updating_weights:
             return "a weight update is in progress (call finish_weight_update)"
         if self.pause_mode is not None:
@@ -216,7 +224,10 @@ class EngineCore:
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run `method` on every worker (one here) after the steps in flight finished; one result per worker.
         A name is a method of the worker or of its worker extension (not one starting with "_"); a callable is
-        called with the worker first. timeout is the caller's to enforce (a running call cannot be stopped)."""
+        called with the worker first. timeout is the caller's to enforce (a running call cannot be stopped).
+        "sleep" and "wake_up" are the engine's own (sleep_mode.py)."""
+        if method in ("sleep", "wake_up"):
+            return [self._sleep_rpc(method, args, kwargs or {})]
         self._drain()
         return [self.worker.call(method, args, kwargs or {})]
 

@@ -22,7 +22,7 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
-from vllm.utils import refuse_sleep_mode, refuse_stat_loggers, unwrap_info
+from vllm.utils import refuse_stat_loggers, unwrap_info
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.input_processor import InputProcessor
@@ -89,14 +89,17 @@ class LLMEngine:
         reset_running_requests (which preempts them first)."""
         return self.engine_core.call_utility("reset_prefix_cache", reset_running_requests, reset_connector)
 
-    def sleep(self, level: int = 1) -> None:
-        refuse_sleep_mode()
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Sleep mode (vllm/v1/engine/sleep_mode.py): level 1 keeps the weights on the host, 2 discards them, 0
+        only stops scheduling; mode "abort" | "wait" | "keep" for the requests in the engine, as a pause's."""
+        self.engine_core.call_utility("sleep", level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        refuse_sleep_mode()
+        """Memory back for tags ("weights", "kv_cache"; None: all); scheduling resumes once all are awake."""
+        self.engine_core.call_utility("wake_up", tags)
 
     def is_sleeping(self) -> bool:
-        return False
+        return self.engine_core.call_utility("is_sleeping")
 
     # ------------------------------------------------------------------ the RL lifecycle (docs/rl.md)
 

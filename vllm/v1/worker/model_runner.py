@@ -132,10 +132,17 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_size * elem * self.num_layers
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """num_blocks blocks for requests plus the scratch block (index num_blocks) for padding rows."""
+    def initialize_kv_cache(self, num_blocks: int,
+                            allocate: Callable[[tuple[int, ...], torch.dtype, int], list[torch.Tensor]] | None = None
+                            ) -> None:
+        """num_blocks blocks for requests plus the scratch block (index num_blocks) for padding rows; `allocate`
+        (sleep mode's, vllm/v1/worker/sleep.py) makes the zeroed per-layer tensors instead of torch.zeros."""
         shape = (2, num_blocks + 1, self.block_size, self.num_kv_heads, self.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if allocate is not None:
+            self.kv_caches = allocate(shape, self.dtype, self.num_layers)
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                              for _ in range(self.num_layers)]
         self.input_buffers.scratch_block = num_blocks
 
     def _graph_num_splits(self, num_rows: int) -> int | None:

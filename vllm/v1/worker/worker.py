@@ -30,6 +30,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
 from vllm.v1.worker.model_runner import ModelRunner
+from vllm.v1.worker.sleep import Sleeper
 from vllm.v1.worker.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class Worker:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         self.model_runner = ModelRunner(vllm_config)
+        # Sleep mode (vllm/v1/worker/sleep.py): the weights move into their own region now, the KV cache is made
+        # in one; torch's peak then no longer counts the weights (determine_num_blocks adds them).
+        self.sleeper = Sleeper(self.model_runner.model, self.device) if self.model_config.enable_sleep_mode else None
+        if self.sleeper is not None and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         self.weight_updater = WeightUpdater(self.model_runner.model, vllm_config, self.device, self.rank)
 
     def determine_num_blocks(self) -> int:
@@ -63,7 +69,7 @@ class Worker:
         elif self.device.type == "cuda":
             runner.profile_run()
             torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) + (self.sleeper.weight_bytes if self.sleeper else 0)
             # NOTE: after `peak` was read, as this profile resets the peak stats; 0 without mixed CUDA graphs.
             graph_bytes = runner.profile_mixed_graph_memory()
             _, total = torch.cuda.mem_get_info(self.device)
@@ -86,7 +92,7 @@ class Worker:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.initialize_kv_cache(num_blocks, self.sleeper.allocate_kv_cache if self.sleeper else None)
 
     def compile_or_warm_up_model(self) -> None:
         """Capture the CUDA graphs (CUDA without enforce_eager); call after initialize_kv_cache."""
@@ -121,6 +127,24 @@ class Worker:
             raise ValueError(f"collective_rpc: method must be a name or a callable, got {type(method).__name__}.")
         return method(self, *args, **(kwargs or {}))
 
+    # ---- sleep mode (vllm/v1/worker/sleep.py; the engine core halts and drains first, EngineSleepMixin)
+
+    def sleep(self, level: int = 1) -> None:
+        if self.sleeper is None:
+            raise ValueError("Sleep mode is off: start the engine with enable_sleep_mode=True (--enable-sleep-mode).")
+        self.sleeper.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.sleeper is not None:
+            self.sleeper.wake_up(tags)
+
+    def sleeping_tags(self) -> set[str]:
+        return set(self.sleeper.asleep) if self.sleeper is not None else set()
+
+    def _check_weights_awake(self) -> None:
+        if self.sleeper is not None:
+            self.sleeper.check_awake("weights", "update weights")
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.weight_updater.init_transfer_engine(init_info)
 
@@ -128,12 +152,14 @@ class Worker:
         self.weight_updater.start(is_checkpoint_format)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._check_weights_awake()
         self.weight_updater.update(update_info)
 
     def finish_weight_update(self) -> None:
         self.weight_updater.finish()
 
     def load_weights_from_disk(self, path: str) -> None:
+        self._check_weights_awake()
         self.weight_updater.load_from_disk(path)
 
     def init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
@@ -141,6 +167,7 @@ class Worker:
         self.weight_updater.init_broadcaster(host, port, rank_offset, inference_world_size, timeout)
 
     def receive_broadcast_weights(self) -> None:
+        self._check_weights_awake()
         self.weight_updater.receive_broadcast()
 
     def weight_info(self) -> dict[str, dict[str, Any]]:
@@ -155,7 +182,7 @@ ENGINE_ONLY_METHODS = frozenset({
     "finish_weight_update", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
 # What Worker.__init__ sets: an extension attribute of these names would be shadowed.
 _INSTANCE_ATTRIBUTES = frozenset({"vllm_config", "model_config", "parallel_config", "rank", "local_rank", "device",
-                                  "model_runner", "weight_updater"})
+                                  "model_runner", "weight_updater", "sleeper"})
 
 
 def make_worker(vllm_config: VllmConfig) -> Worker:
