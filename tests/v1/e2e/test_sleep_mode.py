@@ -64,6 +64,8 @@ def before(llm: LLM) -> list:
 def test_sleep_level_1_frees_both_regions_and_wakes_to_the_same_outputs(llm: LLM, before: list) -> None:
     held = _resident(llm)
     assert held["weights"] > 0 and held["kv_cache"] > 0
+    # The long prompt's full blocks are in the prefix cache (the `before` run computed them) ...
+    assert llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
     llm.sleep(level=1)
     assert llm.is_sleeping()
     assert _resident(llm) == {"weights": 0, "kv_cache": 0}
@@ -78,6 +80,8 @@ def test_sleep_level_1_frees_both_regions_and_wakes_to_the_same_outputs(llm: LLM
     llm.wake_up(tags=["kv_cache"])
     assert not llm.is_sleeping() and _resident(llm) == held
     llm.wake_up()  # awake already: harmless
+    # ... and no longer after the wake: the KV cache came back zeroed, so the cache forgot every block.
+    assert llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
     assert _outputs(llm) == before
 
 

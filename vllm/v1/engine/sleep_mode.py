@@ -97,6 +97,9 @@ class EngineSleepMixin:
         self._drain()
         self.reset_prefix_cache()
         if level > 0:
+            # NOTE: the KV cache comes back zeroed: no digest may outlive it, also one of a block still held (the
+            # reset above leaves those).
+            self.scheduler.kv_cache_manager.invalidate_prefix_cache()
             self.worker.sleep(level)
         self.sleep_level = max(level, self.sleep_level or 0)
 
