@@ -134,7 +134,8 @@ def corpus() -> list[tuple[str, str, Any, dict[str, str] | None]]:
                       ("/update_weights", '{"weight_dir": "/nonexistent-dir"}'),
                       ("/init_weight_transfer_engine", "[]"), ("/init_weight_transfer_engine", '{"init_info": 5}'),
                       ("/update_weight_version", '{"new_version": [1]}'), ("/update_weight_version", "null"),
-                      ("/init_broadcaster", "{}"), ("/sleep", "{}"), ("/wake_up", "{}"),
+                      ("/init_broadcaster", "{}"), ("/sleep", "{}"), ("/sleep?level=7", "{}"),
+                      ("/wake_up?tags=bogus", "{}"),
                       ("/collective_rpc", "[" * 100_000), ("/update_weights", b"\xff\xff")]:
         items.append(("POST", path, raw, None))
     items.append(("POST", "/collective_rpc", "x" * (BODY_LIMIT + 1), None))
