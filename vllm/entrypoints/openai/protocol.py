@@ -160,6 +160,10 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: StrictBool = True
     return_sampling_mask: StrictBool | None = None
     return_token_ids: StrictBool = False
+    # OpenAI's JSON keys are strings of token ids; SamplingParams converts them, clamps the values to [-100, 100].
+    logit_bias: dict[str, Float] | None = None
+    bad_words: list[Text] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, **_bounds(items=_TOKEN_ID_SCHEMA))
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
         return SamplingParams.from_optional(
@@ -171,6 +175,7 @@ class SamplingFields(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             return_sampling_mask=self.return_sampling_mask, logprobs=logprobs, max_tokens=max_tokens,
+            logit_bias=self.logit_bias, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
 

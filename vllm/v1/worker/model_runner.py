@@ -54,13 +54,14 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput, StepRowSettings
 from vllm.v1.sample.metadata import MASK_GROUP_PAD, ROW_FIELDS, SamplingMetadata
 from vllm.v1.sample.fast_path import fast_path_applies
-from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.sample.sampler import Sampler, SamplerOutput, count_sampled
 from vllm.v1.sample.sampling_mask import SamplingMaskTensors, mask_ids_needed
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput, AsyncOutputCopier
 from vllm.v1.worker.cudagraph import (CudaGraphManager, SamplerGraphs, resolve_capture_sizes,
                                       resolve_mixed_capture_sizes)
 from vllm.v1.worker.input_batch import InputBatch
 from vllm.v1.worker.input_prep import InputBuffers, StepInputs
+from vllm.v1.worker.penalty_state import build_processor_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -320,6 +321,8 @@ class ModelRunner:
             out = self._with_text_group(self.sampler(logits, meta), meta)
         else:
             out = _narrow_output(out, num_reqs)
+        if meta.processors is not None:
+            count_sampled(meta.narrow(num_reqs), out.sampled_token_ids)
         t2 = time.perf_counter()
         result = self._finish_step(inputs, out)
         if timer is not None:
@@ -342,7 +345,8 @@ class ModelRunner:
         None when the sampler graphs cannot take this step's settings (the caller samples eagerly)."""
         assert self.sampler_graphs is not None
         key = (meta.all_greedy, meta.all_random, meta.temperature is None, meta.top_p is None, meta.min_p is None,
-               meta.max_num_logprobs, meta.max_top_k, meta.sampling_mask_rows is None)
+               meta.max_num_logprobs, meta.max_top_k, meta.sampling_mask_rows is None,
+               None if meta.processors is None else meta.processors.graph_key())
 
         def make_fn(size: int) -> Callable[[], SamplerOutput]:
             # NOTE: what a graph of `size` rows reads: that size's forward output and the buffers' first rows.
@@ -447,7 +451,22 @@ class ModelRunner:
                 values = np.concatenate([values, np.full(pad, neutral, dtype=values.dtype)])
             return buffers.sampling_tensor(buffer, values)
 
+        penalty_fields: dict[str, Any] = {}
+        if bool(batch.has_processors[rows].any()):
+            pool = batch.penalty_state
+            slots = np.where(batch.penalty_slot[rows] >= 0, batch.penalty_slot[rows], pool.scratch)
+            procs = [batch.processors.get(r) for r in inputs.req_ids]
+            num_outputs = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+            penalty_fields = dict(
+                processors=build_processor_tensors(procs, slots, num_outputs, pool, buffers.processor_entries,
+                                                   self.vocab_size),
+                penalty_slot=tensor(buffers.penalty_slot, slots, pool.scratch),
+                penalty_weight=tensor(buffers.penalty_weight, (slots != pool.scratch) & samples, 0),
+                repetition_penalty=tensor(buffers.repetition_penalty, batch.repetition_penalty[rows], 1.0),
+                frequency_penalty=tensor(buffers.frequency_penalty, batch.frequency_penalty[rows], 0.0),
+                presence_penalty=tensor(buffers.presence_penalty, batch.presence_penalty[rows], 0.0))
         return SamplingMetadata(
+            **penalty_fields,
             temperature=None if all_greedy else tensor(buffers.temperature, batch.temperature[rows], 1.0),
             all_greedy=all_greedy, all_random=all_random,
             top_p=tensor(buffers.top_p, top_p, 1.0) if bool((top_p < 1.0).any()) else None,
