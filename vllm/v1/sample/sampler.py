@@ -21,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -82,6 +82,11 @@ class Sampler(nn.Module):
 
         if md.processors is not None:
             logits = apply_logits_processors(logits, md)
+            if fast and md.processors.allowed_rows is not None and md.top_k is not None:
+                # NOTE: a row with fewer finite logits than top_k (allowed_token_ids) has a -inf k-th value, which
+                # the candidate select cannot hold; top_k = its finite count keeps the same set (every finite id).
+                num_finite = (logits > float("-inf")).sum(dim=-1).clamp_(min=1)
+                md = replace(md, top_k=torch.minimum(md.top_k.to(num_finite.device), num_finite).to(torch.int32))
 
         if fast:
             sampled, logprobs_tensors, mask = sample_fast(logits, md, self.logprobs_mode, raw_values)
