@@ -83,8 +83,6 @@ def test_vllm_validation_error_is_vllms() -> None:
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"return_sampling_mask": 1}, "return_sampling_mask"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),  # in range, but not implemented yet: named
-    ({"repetition_penalty": 1.1}, "repetition_penalty"),
 ])
 def test_bad_values_are_named_validation_errors(kwargs: dict, parameter: str) -> None:
     with pytest.raises(VLLMValidationError) as e:
@@ -102,6 +100,8 @@ def test_bad_values_are_named_validation_errors(kwargs: dict, parameter: str) ->
     {"stop_token_ids": [0, INT64_MAX]}, {"stop_token_ids": (1, 2)}, {"stop": "日本"}, {"stop": ["a", "b"]},
     {"best_of": 1}, {"best_of": 3, "n": 3}, {"logits_processors": []}, {"bad_words": []}, {"logit_bias": {}},
     {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1},
+    {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 2}, {"logit_bias": {0: -100}},
+    {"allowed_token_ids": [0]}, {"bad_words": ["x"]},
 ])
 def test_boundary_values_are_accepted_and_encode(kwargs: dict) -> None:
     params = SamplingParams(**kwargs)

@@ -120,7 +120,8 @@ def test_penalties_equal_numpy_reference(hf_model, mode: str) -> None:
 def test_min_tokens_keeps_eos_out_of_draws_and_masks() -> None:
     """EOS pushed to the top with logit_bias: never drawn and never in the mask before min_tokens, drawn at once
     after it."""
-    llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, return_sampling_mask=True)
+    llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, return_sampling_mask=True,
+              logprobs_mode="processed_logprobs")
     eos = llm.llm_engine.input_processor.eos_token_id
     assert eos is not None
     base = dict(temperature=1.0, top_k=20, max_tokens=40, logit_bias={eos: 100.0}, seed=0)
@@ -140,7 +141,8 @@ def test_min_tokens_keeps_eos_out_of_draws_and_masks() -> None:
 
 
 def test_allowed_token_ids_and_bad_words_shape_the_mask() -> None:
-    llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, return_sampling_mask=True)
+    llm = LLM(device="cpu", max_num_seqs=4, max_model_len=128, return_sampling_mask=True,
+              logprobs_mode="processed_logprobs")
     allowed = [11, 12, 13, 200, 201, 202, 3000]
     out = llm.generate("The function", SamplingParams(temperature=1.0, top_k=50, max_tokens=20, ignore_eos=True,
                                                       allowed_token_ids=allowed, seed=1), use_tqdm=False)

@@ -61,6 +61,8 @@ class InputBatch:
         # Penalties and logits processors (module docstring).
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.has_processors = np.zeros(max_num_reqs, dtype=bool)
+        # Rows with sparse entries (logit_bias, min_tokens, allowed_token_ids, bad_words).
+        self.has_entries = np.zeros(max_num_reqs, dtype=bool)
         self.penalty_slot = np.full(max_num_reqs, -1, dtype=np.int64)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
@@ -71,7 +73,7 @@ class InputBatch:
         self._row_arrays = [self.token_ids_cpu, self.num_tokens, self.num_computed_tokens, self.block_table,
                             self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p, self.greedy,
                             self.num_logprobs, self.wants_mask, self.client_index, self.seeded,
-                            self.prev_sampled_idx, self.num_prompt_tokens, self.has_processors, self.penalty_slot,
+                            self.prev_sampled_idx, self.num_prompt_tokens, self.has_processors, self.has_entries, self.penalty_slot,
                             self.repetition_penalty, self.frequency_penalty, self.presence_penalty]
 
     @property
@@ -119,6 +121,7 @@ class InputBatch:
     def _set_processors(self, row: int, req: NewRequestData) -> None:
         procs = RequestProcessors.from_params(req.sampling_params, req.eos_token_id)
         self.has_processors[row] = procs is not None
+        self.has_entries[row] = procs is not None and procs.has_entries
         self.penalty_slot[row] = -1
         self.repetition_penalty[row], self.frequency_penalty[row], self.presence_penalty[row] = 1.0, 0.0, 0.0
         if procs is None:

@@ -61,7 +61,7 @@ from vllm.v1.worker.cudagraph import (CudaGraphManager, SamplerGraphs, resolve_c
                                       resolve_mixed_capture_sizes)
 from vllm.v1.worker.input_batch import InputBatch
 from vllm.v1.worker.input_prep import InputBuffers, StepInputs
-from vllm.v1.worker.penalty_state import build_processor_tensors
+from vllm.v1.worker.penalty_state import step_penalty_fields
 
 logger = logging.getLogger(__name__)
 
@@ -451,20 +451,7 @@ class ModelRunner:
                 values = np.concatenate([values, np.full(pad, neutral, dtype=values.dtype)])
             return buffers.sampling_tensor(buffer, values)
 
-        penalty_fields: dict[str, Any] = {}
-        if bool(batch.has_processors[rows].any()):
-            pool = batch.penalty_state
-            slots = np.where(batch.penalty_slot[rows] >= 0, batch.penalty_slot[rows], pool.scratch)
-            procs = [batch.processors.get(r) for r in inputs.req_ids]
-            num_outputs = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
-            penalty_fields = dict(
-                processors=build_processor_tensors(procs, slots, num_outputs, pool, buffers.processor_entries,
-                                                   self.vocab_size),
-                penalty_slot=tensor(buffers.penalty_slot, slots, pool.scratch),
-                penalty_weight=tensor(buffers.penalty_weight, (slots != pool.scratch) & samples, 0),
-                repetition_penalty=tensor(buffers.repetition_penalty, batch.repetition_penalty[rows], 1.0),
-                frequency_penalty=tensor(buffers.frequency_penalty, batch.frequency_penalty[rows], 0.0),
-                presence_penalty=tensor(buffers.presence_penalty, batch.presence_penalty[rows], 0.0))
+        penalty_fields = step_penalty_fields(batch, inputs.req_ids, rows, samples, buffers, tensor, self.vocab_size)
         return SamplingMetadata(
             **penalty_fields,
             temperature=None if all_greedy else tensor(buffers.temperature, batch.temperature[rows], 1.0),

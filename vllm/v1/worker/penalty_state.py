@@ -25,7 +25,9 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +35,10 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.metadata import LogitsProcessorTensors
 from vllm.v1.sample.ops.penalties import PROMPT_BIT
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.input_batch import InputBatch
+    from vllm.v1.worker.input_prep import InputBuffers
 
 _INITIAL_SLOTS = 64
 _INITIAL_WIDTH = 16
@@ -124,17 +130,25 @@ class PenaltyState:
         slot = self._free.pop()
         row = self.state[slot]  # [V]
         row.zero_()
-        prompt = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64)).to(self.device)
-        row.index_fill_(0, prompt, PROMPT_BIT)
+        row.index_fill_(0, self._to_device(np.asarray(prompt_ids, dtype=np.int64)), PROMPT_BIT)
         outputs = np.asarray(output_ids, dtype=np.int64)
         if outputs.size:
-            out = torch.as_tensor(outputs).to(self.device)
+            out = self._to_device(outputs)
             row.index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
         recent = np.full(self.width, -1, dtype=np.int32)
         tail = outputs[-self.width:]
         recent[self.width - tail.size:] = tail
-        self.recent[slot].copy_(torch.as_tensor(recent))
+        self.recent[slot].copy_(self._to_device(recent))
         return slot
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        # NOTE: through pinned memory, non-blocking: a copy from pageable memory would wait for the step in flight
+        # (async scheduling would lose its overlap at every new request with penalties). The caching host
+        # allocator keeps the pinned block until the copy has run.
+        host = torch.from_numpy(values)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
@@ -179,10 +193,12 @@ class EntryBuffers:
         return dev
 
 
-def build_processor_tensors(procs: list[RequestProcessors | None], slots: np.ndarray, num_outputs: np.ndarray,
-                            pool: PenaltyState, buffers: EntryBuffers, vocab_size: int) -> LogitsProcessorTensors:
-    """The step's sparse entries for its rows (procs[i]: step row i's settings, None for rows without any; slots:
-    [num_reqs] each row's slot; num_outputs: [num_reqs] output tokens before this step's)."""
+def build_processor_tensors(procs: list[tuple[int, RequestProcessors]], any_penalty: bool, slots: np.ndarray,
+                            num_outputs: np.ndarray, pool: PenaltyState, buffers: EntryBuffers,
+                            vocab_size: int) -> LogitsProcessorTensors:
+    """The step's sparse entries: procs holds (step row, settings) of the rows with entries (has_entries), slots
+    ([num_reqs]) each row's slot, num_outputs ([num_reqs]) its output tokens before this step's; any_penalty:
+    whether a row of the step has a repetition, frequency or presence penalty."""
     bias_rows: list[np.ndarray] = []
     bias_ids: list[np.ndarray] = []
     bias_vals: list[np.ndarray] = []
@@ -191,11 +207,7 @@ def build_processor_tensors(procs: list[RequestProcessors | None], slots: np.nda
     bad_rows: list[int] = []
     bad_prefixes: list[list[int]] = []
     bad_last: list[int] = []
-    any_penalty = False
-    for i, p in enumerate(procs):
-        if p is None:
-            continue
-        any_penalty |= p.has_penalty
+    for i, p in procs:
         if p.bias_ids.size:
             bias_rows.append(np.full(p.bias_ids.size, i, dtype=np.int64))
             bias_ids.append(p.bias_ids)
@@ -229,3 +241,27 @@ def build_processor_tensors(procs: list[RequestProcessors | None], slots: np.nda
         out.bad_prefixes = buffers.put("bad_prefixes", prefixes, -2, torch.int64)
         out.bad_last_ids = buffers.put("bad_last_ids", np.asarray(bad_last, dtype=np.int64), -1, torch.int64)
     return out
+
+
+def step_penalty_fields(batch: InputBatch, req_ids: list[str], rows: np.ndarray, samples: np.ndarray,
+                        buffers: InputBuffers, tensor: Callable[[Any, np.ndarray, float | int], Any],
+                        vocab_size: int) -> dict[str, Any]:
+    """The SamplingMetadata fields of penalties and processors for a step's rows (rows: [num_reqs] batch rows,
+    samples: [num_reqs] bool), through `tensor(buffer, values, neutral)` (the runner's padded copy into its
+    persistent buffers); {} when no row uses any, so that such a step builds and copies nothing."""
+    if not bool(batch.has_processors[rows].any()):
+        return {}
+    pool = batch.penalty_state
+    slots = np.where(batch.penalty_slot[rows] >= 0, batch.penalty_slot[rows], pool.scratch)
+    rep, freq, pres = batch.repetition_penalty[rows], batch.frequency_penalty[rows], batch.presence_penalty[rows]
+    any_penalty = bool(((rep != 1.0) | (freq != 0.0) | (pres != 0.0)).any())
+    procs = [(i, batch.processors[req_ids[i]]) for i in np.flatnonzero(batch.has_entries[rows]).tolist()]
+    num_outputs = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    return dict(
+        processors=build_processor_tensors(procs, any_penalty, slots, num_outputs, pool, buffers.processor_entries,
+                                           vocab_size),
+        penalty_slot=tensor(buffers.penalty_slot, slots, pool.scratch),
+        penalty_weight=tensor(buffers.penalty_weight, (slots != pool.scratch) & samples, 0),
+        repetition_penalty=tensor(buffers.repetition_penalty, rep, 1.0),
+        frequency_penalty=tensor(buffers.frequency_penalty, freq, 0.0),
+        presence_penalty=tensor(buffers.presence_penalty, pres, 0.0))
