@@ -4,8 +4,6 @@ without penalties on the same graphs as before). Skipped without CUDA (the lead 
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from test_penalties_conformance import check_conformance
@@ -38,22 +36,23 @@ def _sampler_keys(llm: LLM) -> set:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_penalties_in_sampler_graphs_match_eager(async_scheduling: bool) -> None:
-    """top_k=1: the fast path, graphed; its tokens are the argmax of the penalised logits, so graphs and eager
-    must agree token for token (the penalty state counted on the device, before the host sees the tokens)."""
-    eager = LLM(device="cuda", enforce_eager=True, gpu_memory_utilization=0.3, max_num_seqs=16,
-                async_scheduling=async_scheduling)
-    want = _tokens(eager, **PENALTIES)
-    want_plain = _tokens(eager)
-    del eager
-    gc.collect()
-    torch.cuda.empty_cache()
-    graphed = LLM(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16, async_scheduling=async_scheduling)
-    assert _tokens(graphed) == want_plain
-    plain_keys = _sampler_keys(graphed)
-    assert plain_keys and all(k[-1] is None for k in plain_keys)  # no processors: keys as before
-    assert _tokens(graphed, **PENALTIES) == want
+    """top_k=1: the fast path, graphed; its tokens are the argmax of the penalised logits. One engine (forward
+    graphs on), its sampler graphed or eager (sampler_graphs None), as test_cudagraph's sampler-graph test:
+    token for token the same, the penalty state counted on the device before the host sees the tokens."""
+    llm = LLM(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=16, async_scheduling=async_scheduling)
+    runner = llm.llm_engine.engine_core.engine_core.worker.model_runner
+    graphs = runner.sampler_graphs
+    assert graphs is not None
+    runner.sampler_graphs = None
+    want_plain = _tokens(llm)
+    want = _tokens(llm, **PENALTIES)
+    runner.sampler_graphs = graphs
     assert want != want_plain  # the penalties change the output
-    new_keys = _sampler_keys(graphed) - plain_keys
+    assert _tokens(llm) == want_plain
+    plain_keys = _sampler_keys(llm)
+    assert plain_keys and all(k[-1] is None for k in plain_keys)  # no processors: keys as before
+    assert _tokens(llm, **PENALTIES) == want
+    new_keys = _sampler_keys(llm) - plain_keys
     assert new_keys and all(k[-1] is not None for k in new_keys)  # captured with the processors
-    assert _tokens(graphed) == want_plain  # and a batch without penalties is unchanged afterwards
-    assert _sampler_keys(graphed) == plain_keys | new_keys
+    assert _tokens(llm) == want_plain  # a batch without penalties afterwards: unchanged, on the same graphs
+    assert _sampler_keys(llm) == plain_keys | new_keys

@@ -73,8 +73,9 @@ class InputBatch:
         self._row_arrays = [self.token_ids_cpu, self.num_tokens, self.num_computed_tokens, self.block_table,
                             self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p, self.greedy,
                             self.num_logprobs, self.wants_mask, self.client_index, self.seeded,
-                            self.prev_sampled_idx, self.num_prompt_tokens, self.has_processors, self.has_entries, self.penalty_slot,
-                            self.repetition_penalty, self.frequency_penalty, self.presence_penalty]
+                            self.prev_sampled_idx, self.num_prompt_tokens, self.has_processors, self.has_entries,
+                            self.penalty_slot, self.repetition_penalty, self.frequency_penalty,
+                            self.presence_penalty]
 
     @property
     def num_reqs(self) -> int:
