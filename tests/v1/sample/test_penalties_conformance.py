@@ -84,12 +84,13 @@ def build_step(reqs: list[dict], pool: PenaltyState, entries: EntryBuffers) -> S
         sp._bad_words_token_ids = r["bad"] or None
         p = RequestProcessors.from_params(sp, EOS)
         procs.append(p)
-        slot = pool.scratch
+        slot = -1
         if p is not None and p.needs_state:
             slot = pool.alloc(r["prompt"], r["output"], max((len(x) for x in p.bad_prefixes), default=0))
         slots.append(slot)
         r["sp"] = sp
-    slots_np = np.where(np.asarray(slots) == pool.capacity, pool.scratch, slots).astype(np.int64)
+    # NOTE: the scratch slot's index is known only once the pool has stopped growing.
+    slots_np = np.where(np.asarray(slots) < 0, pool.scratch, slots).astype(np.int64)
     num_out = np.array([len(r["output"]) for r in reqs])
     any_penalty = any(p is not None and p.has_penalty for p in procs)
     with_entries = [(i, p) for i, p in enumerate(procs) if p is not None and p.has_entries]
