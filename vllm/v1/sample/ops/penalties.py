@@ -72,8 +72,9 @@ def apply_penalties(logits: torch.Tensor, state: torch.Tensor, slot: torch.Tenso
                     frequency: torch.Tensor, presence: torch.Tensor) -> None:
     """logits: [num_reqs, V] float32, in place; state: [num_slots, V] int32 (the pool); slot: [num_reqs] int64;
     repetition, frequency, presence: [num_reqs] float32 (1, 0, 0 where off)."""
-    # NOTE: bytes: reading a [num_reqs, V] int32 state slice and the float32 logits, writing the logits; each
-    # elementwise op below is one more pass of torch (docs/sampling_mask.md, "Penalties", has the floor).
+    # NOTE: the floor is 10 B per (row, id): the int32 state, the bf16 logits read, the float32 logits written
+    # (256 rows x 151,936 ids: 389 MB, 81 us at 4.8 TB/s); these torch ops move ~3-4x that, one pass per op. vLLM's
+    # per-step scatter zeroes two [num_reqs, V + 1] int64 tensors (16 B per (row, id)) before any penalty math.
     entry = state.index_select(0, slot)  # [num_reqs, V] int32
     counts = (entry & _COUNT_MASK).to(torch.float32)
     seen = entry != 0  # in the prompt or the output
