@@ -138,21 +138,32 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
     order (ops/penalties.py)."""
     proc = md.processors
     assert proc is not None
-    out = logits.to(torch.float32, copy=True)  # [num_reqs, V]
+    has_bias = proc.bias_rows is not None and proc.bias_ids is not None and proc.bias_values is not None
+    if proc.any_penalty and not has_bias:
+        # NOTE: the -inf writes of allowed_token_ids and bad_words commute with the penalties, so without a bias
+        # entry the penalty kernel reads the model's logits and writes the float32 copy in one pass.
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [num_reqs, V]
+        _penalties(logits, md, out)
+    else:
+        out = logits.to(torch.float32, copy=True)  # [num_reqs, V]
+        if has_bias:
+            apply_sparse_bias(out, proc.bias_rows, proc.bias_ids, proc.bias_values)
+        if proc.any_penalty:
+            _penalties(out, md, out)
     if proc.allowed_rows is not None and proc.allowed_ids is not None:
         apply_allowed(out, proc.allowed_rows, proc.allowed_ids)
     if proc.bad_rows is not None and proc.bad_prefixes is not None and proc.bad_last_ids is not None:
         assert md.penalty_slot is not None
         apply_bad_word_prefixes(out, proc.recent, md.penalty_slot, proc.bad_rows, proc.bad_prefixes,
                                 proc.bad_last_ids)
-    if proc.bias_rows is not None and proc.bias_ids is not None and proc.bias_values is not None:
-        apply_sparse_bias(out, proc.bias_rows, proc.bias_ids, proc.bias_values)
-    if proc.any_penalty:
-        assert (md.penalty_slot is not None and md.repetition_penalty is not None
-                and md.frequency_penalty is not None and md.presence_penalty is not None)
-        apply_penalties(out, proc.state, md.penalty_slot, md.repetition_penalty, md.frequency_penalty,
-                        md.presence_penalty)
     return out
+
+
+def _penalties(logits: torch.Tensor, md: SamplingMetadata, out: torch.Tensor) -> None:
+    assert (md.processors is not None and md.penalty_slot is not None and md.repetition_penalty is not None
+            and md.frequency_penalty is not None and md.presence_penalty is not None)
+    apply_penalties(logits, md.processors.state, md.penalty_slot, md.repetition_penalty, md.frequency_penalty,
+                    md.presence_penalty, out=out)
 
 
 def count_sampled(md: SamplingMetadata, sampled: torch.Tensor) -> None:

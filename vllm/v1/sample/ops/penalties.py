@@ -3,7 +3,9 @@
 Order (vLLM v1 `Sampler.apply_logits_processors`): allowed_token_ids -> bad_words -> logit_bias -> min_tokens ->
 repetition -> frequency -> presence; temperature, min-p, top-k and top-p come after (the sampler). The -inf
 writes of the first steps commute with everything after them; logit_bias does not commute with the repetition
-penalty, and comes first as in vLLM.
+penalty, and comes first as in vLLM. The sampler applies the bias entries, then the penalties, then the -inf writes
+of allowed_token_ids and bad_words (the same result: -inf stays -inf through every later step), so that a step
+without bias entries runs the penalties as one pass from the model's logits to the float32 copy.
 
 Definitions:
 - repetition (tokens of the prompt or the output so far): logit > 0 divided by the penalty, logit <= 0 multiplied
@@ -26,6 +28,8 @@ another step's entries must not index out of bounds).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 # Set in a state entry when the token occurs in the prompt; the low bits count it in the output.
 PROMPT_BIT = 1 << 30
@@ -69,20 +73,58 @@ def apply_bad_word_prefixes(logits: torch.Tensor, recent: torch.Tensor, slot: to
 
 
 def apply_penalties(logits: torch.Tensor, state: torch.Tensor, slot: torch.Tensor, repetition: torch.Tensor,
-                    frequency: torch.Tensor, presence: torch.Tensor) -> None:
-    """logits: [num_reqs, V] float32, in place; state: [num_slots, V] int32 (the pool); slot: [num_reqs] int64;
-    repetition, frequency, presence: [num_reqs] float32 (1, 0, 0 where off)."""
+                    frequency: torch.Tensor, presence: torch.Tensor, out: torch.Tensor | None = None,
+                    use_triton: bool | None = None) -> torch.Tensor:
+    """Repetition, frequency and presence penalties: logits [num_reqs, V] (float32, or the model's dtype when
+    `out` is given) -> out ([num_reqs, V] float32; default: logits, in place). state: [num_slots, V] int32 (the
+    pool); slot: [num_reqs] int64; repetition, frequency, presence: [num_reqs] float32 (1, 0, 0 where off).
+    use_triton (default: on CUDA tensors) runs _apply_penalties_kernel, one pass with the same roundings as the
+    torch code below (IEEE division, no fused multiply-add), which is its reference."""
+    out = logits if out is None else out
+    if use_triton if use_triton is not None else logits.is_cuda:
+        num_reqs, vocab_size = logits.shape
+        grid = (num_reqs, triton.cdiv(vocab_size, _BLOCK))
+        _apply_penalties_kernel[grid](logits, logits.stride(0), out, out.stride(0), state, state.stride(0), slot,
+                                      repetition, frequency, presence, vocab_size, COUNT_MASK=_COUNT_MASK,
+                                      BLOCK=_BLOCK, enable_fp_fusion=False)
+        return out
     # NOTE: the floor is 10 B per (row, id): the int32 state, the bf16 logits read, the float32 logits written
-    # (256 rows x 151,936 ids: 389 MB, 81 us at 4.8 TB/s); these torch ops move ~3-4x that, one pass per op. vLLM's
-    # per-step scatter zeroes two [num_reqs, V + 1] int64 tensors (16 B per (row, id)) before any penalty math.
+    # (256 rows x 151,936 ids: 389 MB, 81 us at 4.8 TB/s), which the kernel meets when no logit_bias or min_tokens
+    # entry comes before it; this torch code moves ~10x that, one pass per op. vLLM's per-step scatter zeroes two
+    # [num_reqs, V + 1] int64 tensors (16 B per (row, id)) before any penalty math.
     entry = state.index_select(0, slot)  # [num_reqs, V] int32
     counts = (entry & _COUNT_MASK).to(torch.float32)
     seen = entry != 0  # in the prompt or the output
+    x = logits.to(torch.float32)
     rep = repetition[:, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits.copy_(torch.where(seen, penalised, logits))
-    logits.sub_(frequency[:, None] * counts)
-    logits.sub_(presence[:, None] * (counts > 0).to(torch.float32))
+    penalised = torch.where(x > 0, x / rep, x * rep)
+    x = torch.where(seen, penalised, x)
+    x = x - frequency[:, None] * counts
+    out.copy_(x - presence[:, None] * (counts > 0).to(torch.float32))
+    return out
+
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _apply_penalties_kernel(src_ptr, src_stride, dst_ptr, dst_stride, state_ptr, state_stride, slot_ptr, rep_ptr,
+                            freq_ptr, pres_ptr, vocab_size, COUNT_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < vocab_size
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    rep = tl.load(rep_ptr + row)
+    freq = tl.load(freq_ptr + row)
+    pres = tl.load(pres_ptr + row)
+    x = tl.load(src_ptr + row * src_stride + offs, mask=inside, other=0.0).to(tl.float32)
+    entry = tl.load(state_ptr + slot * state_stride + offs, mask=inside, other=0)
+    counts = (entry & COUNT_MASK).to(tl.float32)
+    penalised = tl.where(x > 0, tl.math.div_rn(x, rep), x * rep)
+    x = tl.where(entry != 0, penalised, x)
+    x = x - freq * counts
+    x = x - pres * (counts > 0).to(tl.float32)
+    tl.store(dst_ptr + row * dst_stride + offs, x, mask=inside)
 
 
 def update_state(state: torch.Tensor, recent: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor,
