@@ -7,8 +7,11 @@ ab_sampling_mask.{json,md,png} and server_<arm>.log into --out-dir.
 
 An arm is one of ARMS, optionally with extra environment variables for its server: `mask+VLLM_X=1` (several
 `+NAME=VALUE` allowed; names must be variables of vllm/envs.py, e.g. VLLM_ATTENTION_BACKEND), to compare
-settings of one arm side by side in one run. (The pre-change mask path is no serving arm any more: it has no
-switch; its kernel cost is in benchmarks/kernels/benchmark_sampling_mask.py, its last serving numbers in
+settings of one arm side by side in one run; and then optionally with extra request fields:
+`mask@presence_penalty=0.5@repetition_penalty=1.1` (several `@FIELD=JSON` allowed, merged into every request body
+of that arm), to compare request settings, e.g. the penalties' cost: `--arms mask
+mask@presence_penalty=0.5@repetition_penalty=1.1`. (The pre-change mask path is no serving arm any more: it has
+no switch; its kernel cost is in benchmarks/kernels/benchmark_sampling_mask.py, its last serving numbers in
 docs/benchmarks.md.)
 
 One command on the GPU machine (the server stack's wheels in /tmp/site):
@@ -69,8 +72,9 @@ STARTUP_ESTIMATE_S = 60.0
 
 def arm_spec(arm: str) -> tuple[list[str], dict[str, str]]:
     """(vllm serve flags, extra environment) of an arm name: a key of ARMS, then optional "+VLLM_NAME=VALUE"s
-    (a value may contain "+"; the names must be variables of vllm/envs.py)."""
-    base, *extra = arm.split("+VLLM_")
+    (a value may contain "+"; the names must be variables of vllm/envs.py); request fields ("@...") are
+    arm_body's."""
+    base, *extra = arm.partition("@")[0].split("+VLLM_")
     if base not in ARMS:
         raise ValueError(f"unknown arm {base!r} in {arm!r}; arms: {', '.join(ARMS)}, each optionally followed "
                          "by +VLLM_NAME=VALUE")
@@ -85,6 +89,21 @@ def arm_spec(arm: str) -> tuple[list[str], dict[str, str]]:
             raise ValueError(f"arm {arm!r}: {name} is not a variable of vllm/envs.py")
         env[name] = value
     return flags, env
+
+
+def arm_body(arm: str) -> dict[str, Any]:
+    """The extra request fields of an arm name: its "@FIELD=JSON" parts after the first "@" ({} for none)."""
+    _, sep, rest = arm.partition("@")
+    body: dict[str, Any] = {}
+    for item in rest.split("@") if sep else []:
+        name, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"arm {arm!r}: expected @FIELD=JSON, got {'@' + item!r}")
+        try:
+            body[name] = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"arm {arm!r}: the value of @{name} is not JSON: {value!r}") from None
+    return body
 
 
 def _env_names() -> set[str] | None:
@@ -103,6 +122,7 @@ def arm_file_name(arm: str) -> str:
 def _arm_arg(value: str) -> str:
     try:
         arm_spec(value)
+        arm_body(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value
@@ -188,7 +208,8 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     raise RuntimeError(f"vllm serve was not healthy after {timeout_s:.0f}s")
 
 
-def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeout: float) -> argparse.Namespace:
+def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeout: float,
+              body: dict[str, Any] | None = None) -> argparse.Namespace:
     argv = ["--base-url", url, "--concurrency", str(concurrency), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--temperature", str(args.temperature), "--top-p",
             str(args.top_p), "--top-k", str(args.top_k), "--logprobs", str(args.logprobs),
@@ -197,6 +218,8 @@ def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeou
     if args.num_client_procs:
         argv += ["--num-client-procs", str(args.num_client_procs)]
     argv += ["--mask-check", args.mask_check]
+    if body:
+        argv += ["--extra-body", json.dumps(body)]
     if args.client_cpus:
         argv += ["--cpus", args.client_cpus]
     return benchmark_serving.make_parser().parse_args(argv)
@@ -231,7 +254,8 @@ def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix:
                 continue
             if proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with status {proc.returncode}")
-            results = benchmark_serving.run_benchmark(load_args(args, url, concurrency, level_timeout),
+            results = benchmark_serving.run_benchmark(load_args(args, url, concurrency, level_timeout,
+                                                                arm_body(arm)),
                                                       log=lambda m: log(f"{arm}: {m}"))
             result["levels"] += results
     except Exception as e:  # noqa: BLE001 - recorded; the next arm still runs

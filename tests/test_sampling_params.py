@@ -84,8 +84,6 @@ def test_vllm_validation_error_is_vllms() -> None:
     ({"return_sampling_mask": 1}, "return_sampling_mask"),
     ({"prompt_logprobs": -2}, "prompt_logprobs"),
     ({"prompt_logprobs": True}, "prompt_logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),  # in range, but not implemented yet: named
-    ({"repetition_penalty": 1.1}, "repetition_penalty"),
 ])
 def test_bad_values_are_named_validation_errors(kwargs: dict, parameter: str) -> None:
     with pytest.raises(VLLMValidationError) as e:
@@ -103,6 +101,8 @@ def test_bad_values_are_named_validation_errors(kwargs: dict, parameter: str) ->
     {"stop_token_ids": [0, INT64_MAX]}, {"stop_token_ids": (1, 2)}, {"stop": "日本"}, {"stop": ["a", "b"]},
     {"best_of": 1}, {"best_of": 3, "n": 3}, {"logits_processors": []}, {"bad_words": []}, {"logit_bias": {}},
     {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1},
+    {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 2}, {"logit_bias": {0: -100}},
+    {"allowed_token_ids": [0]}, {"bad_words": ["x"]},
 ])
 def test_boundary_values_are_accepted_and_encode(kwargs: dict) -> None:
     params = SamplingParams(**kwargs)
@@ -125,9 +125,7 @@ def test_max_n_sequences_follows_the_environment(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("field, value", [
-    ("best_of", 2), ("logits_processors", [lambda ids, logits: logits]), ("logit_bias", {5: 10.0}),
-    ("bad_words", ["spam"]), ("allowed_token_ids", [1, 2, 3]), ("allowed_token_ids", []),
-    ("structured_outputs", {"json": {}}),
+    ("best_of", 2), ("logits_processors", [lambda ids, logits: logits]), ("structured_outputs", {"json": {}}),
 ])
 def test_unimplemented_vllm_fields_are_named_value_errors(field: str, value: object) -> None:
     """vLLM's names: a ValueError that names the field (it was a TypeError, or dropped), never a silent no-op,
@@ -135,6 +133,34 @@ def test_unimplemented_vllm_fields_are_named_value_errors(field: str, value: obj
     with pytest.raises(ValueError, match=rf"^{field}(=\S+)? is not supported") as e:
         SamplingParams(**{field: value})
     assert isinstance(e.value, VLLMValidationError) and e.value.parameter == field
+
+
+def test_token_fields_are_accepted_normalised_and_encode() -> None:
+    params = SamplingParams(logit_bias={"5": 250, 7: -3.5, "+8": -1e9}, allowed_token_ids=(1, 2, 3),
+                            bad_words=["spam eggs"], presence_penalty=0.5, frequency_penalty=-2,
+                            repetition_penalty=1.1, min_tokens=3)
+    # OpenAI's string keys become ids; values are clamped to vLLM's [-100, 100].
+    assert params.logit_bias == {5: 100.0, 7: -3.5, 8: -100.0}
+    assert params.allowed_token_ids == [1, 2, 3]
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded.logit_bias == params.logit_bias and decoded.bad_words == ["spam eggs"]
+    assert decoded.presence_penalty == 0.5 and decoded.repetition_penalty == 1.1
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"logit_bias": {5: float("nan")}}, "logit_bias"), ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": {1: True}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids"), ({"bad_words": "spam"}, "bad_words"),
+    ({"bad_words": [1]}, "bad_words"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+])
+def test_token_fields_bad_values_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(VLLMValidationError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.parameter == field
 
 
 def test_clone_and_wire_keep_the_checks() -> None:

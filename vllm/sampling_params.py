@@ -7,9 +7,13 @@ Invariants of a constructed SamplingParams (what the engine core and its msgspec
 - every float is finite (temperature in [0, 2]); every integer is an int (not a bool) within int64, so the request
   always encodes; `n` is in [1, VLLM_MAX_N_SEQUENCES] and `seed + n - 1` (the last sample's seed) fits int64;
 - `stop` is a list of non-empty, valid Unicode strings (no lone surrogates), `stop_token_ids` a list of ints >= 0;
-- vLLM fields this engine does not implement (`best_of`, `logits_processors`, `logit_bias`, `bad_words`,
-  `allowed_token_ids`, `structured_outputs`) are refused with a ValueError that names them unless they ask for
-  nothing, never dropped: the sampling mask must describe the distribution the token was drawn from.
+- `logit_bias` is None or a dict int token id -> finite float clamped to [-100, 100] (string keys of decimal ints,
+  OpenAI's JSON form, are converted); `allowed_token_ids` is None or a non-empty list of ints >= 0; `bad_words` is
+  None or a list of strings (tokenized by the input processor into `_bad_words_token_ids`). Token ids are checked
+  against the vocabulary by the input processor (`vllm/v1/sample/logits_processors.py`).
+- vLLM fields this engine does not implement (`best_of`, `logits_processors`, `structured_outputs`) are refused
+  with a ValueError that names them unless they ask for nothing, never dropped: the sampling mask must describe
+  the distribution the token was drawn from.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ _MAX_TEMPERATURE = 2.0
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
-_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
+# vLLM's clamp of logit_bias values (its OpenAI request models and SamplingParams).
+_MAX_LOGIT_BIAS = 100.0
 # vLLM's SamplingParams fields with no implementation here yet (see _refuse_unsupported).
-_UNSUPPORTED_FIELDS = ("logits_processors", "logit_bias", "bad_words", "allowed_token_ids", "structured_outputs")
+_UNSUPPORTED_FIELDS = ("logits_processors", "structured_outputs")
 
 
 def _is_int(value: Any) -> bool:
@@ -71,9 +76,10 @@ class SamplingType(IntEnum):
 class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ignore[call-arg]
     """Sampling parameters for text generation (vLLM's names and defaults).
 
-    The sampler applies, in this order: temperature, min_p, top_k, top_p. top_k keeps every token whose logit
-    is >= the k-th largest (ties at the boundary kept); top_p keeps the smallest prefix of the top-k survivors,
-    sorted by probability, whose mass reaches top_p.
+    The sampler applies, in vLLM's order: allowed_token_ids, bad_words, logit_bias, min_tokens, then the
+    repetition, frequency and presence penalties, then temperature, min_p, top_k, top_p (docs/sampling_mask.md).
+    top_k keeps every token whose logit is >= the k-th largest (ties at the boundary kept); top_p keeps the
+    smallest prefix of the top-k survivors, sorted by probability, whose mass reaches top_p.
     """
 
     n: int = 1
@@ -104,17 +110,23 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
     # number of objects per request for the garbage collector (offline and AsyncLLM callers; the HTTP server
     # always builds its responses from dicts).
     flat_logprobs: bool = False
+    # token id -> bias added to its logit (before the penalties, as vLLM); values clamped to [-100, 100].
+    logit_bias: Any = None
+    # Words never generated: single-token words are banned always, multi-token ones when the output ends with
+    # all but their last token (vLLM's rule; tokenized by the input processor).
+    bad_words: Any = None
+    # The only token ids the request may sample (every other logit -inf).
+    allowed_token_ids: Any = None
     # vLLM's fields without an implementation here: refused unless they ask for nothing (_refuse_unsupported).
     best_of: int | None = None
     logits_processors: Any = None
-    logit_bias: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
     structured_outputs: Any = None
 
     # Derived in __post_init__.
     output_text_buffer_length: int = 0
     _all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
+    # bad_words as token id lists (set by the input processor, vLLM's update_from_tokenizer).
+    _bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -165,10 +177,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
-        if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0:
-            raise VLLMValidationError(
-                "presence_penalty, frequency_penalty and repetition_penalty are not supported yet; leave them at "
-                "0, 0 and 1.", parameter=next(f for f, neutral in _PENALTIES if getattr(self, f) != neutral))
+        _verify_token_fields(self)
         # NOTE: [0, 2] as OpenAI's API and vLLM (>= 0.24): a huge temperature flattens every logit to a tie,
         # and the sampling mask becomes the whole vocabulary whatever top_k says.
         if not 0.0 <= self.temperature <= _MAX_TEMPERATURE:
@@ -233,7 +242,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
         return msgspec.structs.replace(self)
 
     def __repr__(self) -> str:
-        hidden_if_none = (*_UNSUPPORTED_FIELDS, "best_of")
+        hidden_if_none = (*_UNSUPPORTED_FIELDS, "best_of", "logit_bias", "bad_words", "allowed_token_ids")
         fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__
                            if not f.startswith("_") and (f not in hidden_if_none or getattr(self, f) is not None))
         return f"SamplingParams({fields})"
@@ -248,9 +257,55 @@ def _refuse_unsupported(params: SamplingParams) -> None:
             "and rank them yourself; leave best_of unset.", parameter="best_of", value=params.best_of)
     for field in _UNSUPPORTED_FIELDS:
         value = getattr(params, field)
-        if value is None or (field != "allowed_token_ids" and isinstance(value, (list, tuple, dict)) and not value):
+        if value is None or (isinstance(value, (list, tuple, dict)) and not value):
             continue
         raise VLLMValidationError(
             f"{field} is not supported yet: this engine does not apply it, and the sampling mask must describe the "
             f"distribution each token was drawn from, so it is refused rather than ignored; leave {field} unset.",
             parameter=field)
+
+
+def _verify_token_fields(params: SamplingParams) -> None:
+    """logit_bias, allowed_token_ids and bad_words: types and values (the vocabulary bound is the input
+    processor's); normalises logit_bias to {int: clamped float} and allowed_token_ids to a list."""
+    if params.logit_bias is not None:
+        if not isinstance(params.logit_bias, dict):
+            raise VLLMValidationError("logit_bias must be a dict of token id -> bias.", parameter="logit_bias",
+                                      value=params.logit_bias)
+        bias: dict[int, float] = {}
+        for token, value in params.logit_bias.items():
+            token_id = _token_key(token)
+            if token_id is None or token_id < 0 or token_id > _INT64_MAX:
+                raise VLLMValidationError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}.",
+                                          parameter="logit_bias", value=token)
+            if not _is_number(value) or not math.isfinite(value):
+                raise VLLMValidationError(f"logit_bias values must be finite numbers, got {value!r} for token "
+                                          f"{token_id}.", parameter="logit_bias", value=value)
+            bias[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, float(value)))
+        params.logit_bias = bias or None
+    if params.allowed_token_ids is not None:
+        ids = params.allowed_token_ids
+        if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or not 0 <= t <= _INT64_MAX for t in ids):
+            raise VLLMValidationError("allowed_token_ids must be a list of token ids (integers >= 0).",
+                                      parameter="allowed_token_ids", value=ids)
+        if not ids:
+            raise VLLMValidationError("allowed_token_ids must not be empty (it would leave nothing to sample).",
+                                      parameter="allowed_token_ids", value=ids)
+        params.allowed_token_ids = list(ids)
+    if params.bad_words is not None:
+        words = params.bad_words
+        if isinstance(words, str) or not isinstance(words, (list, tuple)) or any(not isinstance(w, str)
+                                                                                  for w in words):
+            raise VLLMValidationError("bad_words must be a list of strings.", parameter="bad_words", value=words)
+        for w in words:
+            check_unicode(w, "bad_words")
+        params.bad_words = list(words) or None
+
+
+def _token_key(token: Any) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of a decimal int (OpenAI's JSON keys)."""
+    if _is_int(token):
+        return token
+    if isinstance(token, str) and token.strip().lstrip("+-").isdigit():
+        return int(token)
+    return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 import ab_sampling_mask as ab  # noqa: E402
@@ -26,6 +28,22 @@ def test_arm_names_with_extra_environment() -> None:
         with pytest.raises(ValueError):
             ab.arm_spec(bad)
     assert ab.arm_file_name("mask+VLLM_X=0.5") == "mask_VLLM_X_0.5"
+
+
+def test_arm_request_fields_go_into_every_request_body_of_that_arm() -> None:
+    arm = "mask+VLLM_SAMPLING_MASK_TEXT=0@presence_penalty=0.5@repetition_penalty=1.1"
+    assert ab.arm_spec(arm) == (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "0"})
+    assert ab.arm_body(arm) == {"presence_penalty": 0.5, "repetition_penalty": 1.1}
+    assert ab.arm_body("mask") == {}
+    args = ab.make_parser().parse_args(["--arms", "mask", arm])
+    load = ab.load_args(args, "http://x", 64, 10.0, ab.arm_body(arm))
+    payload = ab.benchmark_serving.build_payload(load, "m", 8)
+    assert payload["presence_penalty"] == 0.5 and payload["repetition_penalty"] == 1.1
+    assert "presence_penalty" not in ab.benchmark_serving.build_payload(ab.load_args(args, "http://x", 64, 10.0),
+                                                                       "m", 8)
+    for bad in ("mask@presence_penalty", "mask@x=nope", "mask@=1"):
+        with pytest.raises(ValueError):
+            ab.arm_body(bad)
 
 
 def test_round_order_reverses_and_keeps_a_lead_arm_first() -> None:

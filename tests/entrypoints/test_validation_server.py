@@ -154,9 +154,12 @@ CORPUS: list[tuple[str, Any, str | None]] = [
     (GENERATE, gen(return_sampling_mask=1), "sampling_params.return_sampling_mask"),
     # vLLM fields not implemented: named, never dropped.
     (GENERATE, gen(best_of=3), "sampling_params.best_of"),
-    (GENERATE, gen(logit_bias={"5": 10}), "sampling_params.logit_bias"),
-    (GENERATE, gen(bad_words=["x"]), "sampling_params.bad_words"),
-    (GENERATE, gen(allowed_token_ids=[1, 2]), "sampling_params.allowed_token_ids"),
+    (GENERATE, gen(logit_bias={"5": "x"}), "sampling_params.logit_bias"),
+    (GENERATE, gen(logit_bias={"9999999": 1.0}), "logit_bias"),
+    (GENERATE, gen(allowed_token_ids=[]), "sampling_params.allowed_token_ids"),
+    (GENERATE, gen(allowed_token_ids=[9999999]), "allowed_token_ids"),
+    (COMPLETIONS, cmpl(logit_bias={"9999999": 1.0}), "logit_bias"),
+    (CHAT, chat(allowed_token_ids=[-1]), None),
     (GENERATE, gen(logits_processors=["x"]), "sampling_params.logits_processors"),
     (GENERATE, {"token_ids": [1], "request_id": "", "sampling_params": OK}, "request_id"),
 ]
@@ -262,3 +265,22 @@ def test_valid_boundaries_still_served(server: RemoteServer, path: str, body: di
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
         resp = post(http, path, body)
         assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, GENERATE])
+def test_token_fields_reach_the_sampler(server: RemoteServer, path: str) -> None:
+    """allowed_token_ids, logit_bias, penalties, bad_words and min_tokens are applied, not dropped: every token
+    and every mask entry is an allowed id (top_k 3 of the 4), and the +100 bias makes token 300 the one drawn."""
+    allowed = [300, 301, 302, 303]
+    fields = dict(allowed_token_ids=allowed, logit_bias={"300": 100}, presence_penalty=0.5, frequency_penalty=0.1,
+                  repetition_penalty=1.1, bad_words=["zzz"], min_tokens=2, max_tokens=4, temperature=1.0,
+                  top_k=3, ignore_eos=True, return_token_ids=True)
+    body = gen(**fields) if path == GENERATE else (cmpl(**fields) if path == COMPLETIONS else chat(**fields))
+    if path == GENERATE:
+        body["sampling_params"].pop("return_token_ids")
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
+        resp = post(http, path, body)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["token_ids"] == [300] * 4, choice
+        assert all(len(m) == 3 and 300 in m and set(m) <= set(allowed) for m in choice["sampling_mask"]), choice

@@ -183,6 +183,10 @@ class SamplingFields(RequestModel):
     # (None: the server's --return-tokens-as-token-ids).
     prompt_logprobs: Int | None = Field(None, **_bounds(minimum=-1, maximum=INT64_MAX))
     return_tokens_as_token_ids: StrictBool | None = None
+    # OpenAI's JSON keys are strings of token ids; SamplingParams converts them, clamps the values to [-100, 100].
+    logit_bias: dict[str, Float] | None = None
+    bad_words: list[Text] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, **_bounds(items=_TOKEN_ID_SCHEMA))
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -199,6 +203,7 @@ class SamplingFields(RequestModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             return_sampling_mask=self.return_sampling_mask, logprobs=logprobs, max_tokens=max_tokens,
+            logit_bias=self.logit_bias, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
 

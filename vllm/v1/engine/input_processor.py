@@ -30,6 +30,7 @@ from vllm.sampling_params import _SAMPLING_EPS, SamplingParams, check_unicode
 from vllm.transformers_utils.tokenizer import Tokenizer, read_generation_eos_token_ids
 from vllm.utils import refuse_lora_request
 from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.sample.logits_processors import prepare_token_fields
 
 
 def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int,
@@ -193,6 +194,7 @@ class InputProcessor:
         room = self.max_model_len - prompt_len
         params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params.min_tokens = min(params.min_tokens, params.max_tokens)
+        prepare_token_fields(params, self.model_config.vocab_size, self.tokenizer)
         params.return_sampling_mask = bool(self.model_config.return_sampling_mask
                                            and params.return_sampling_mask is not False)
         if not params.ignore_eos:

@@ -1,4 +1,8 @@
-"""SamplingMetadata: the batch's sampling settings as tensors, built by the model runner each step."""
+"""SamplingMetadata: the batch's sampling settings as tensors, built by the model runner each step.
+
+Penalties and logits processors (ops/penalties.py) come as `LogitsProcessorTensors` plus five per-row fields; all
+are None when no row of the step uses one, and the sampler then runs exactly as without them.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,41 @@ import torch
 
 
 # The per-row tensor fields, named as the model runner's persistent buffers (InputBuffers) that hold them.
-ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "sampling_mask_rows", "sampling_mask_group")
+ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "sampling_mask_rows", "sampling_mask_group",
+              "penalty_slot", "penalty_weight", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 # The mask-text group of a graph's padding rows: packed after every real row.
 MASK_GROUP_PAD = 1 << 30
+
+
+@dataclass(slots=True)
+class LogitsProcessorTensors:
+    """The step's sparse processor entries (views of persistent buffers, padded to bucketed lengths) and the
+    penalty state pool (vllm/v1/worker/penalty_state.py). Entry rows are the step's row indices."""
+    # [num_slots, V] int32: output count | PROMPT_BIT per (slot, token); the last slot is the all-zero scratch.
+    state: torch.Tensor
+    # [num_slots, W] int32: each slot's last W output tokens, -1 before the first.
+    recent: torch.Tensor
+    # logit_bias, min_tokens bans, single-token bad words: [E] int64 rows, int64 ids, float32 values (or None).
+    bias_rows: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # allowed_token_ids: [A] int64 rows and ids (see ops/penalties.apply_allowed), or None.
+    allowed_rows: torch.Tensor | None = None
+    allowed_ids: torch.Tensor | None = None
+    # Multi-token bad words: [B] int64 rows, [B, W] int64 right-aligned prefixes, [B] int64 banned ids, or None.
+    bad_rows: torch.Tensor | None = None
+    bad_prefixes: torch.Tensor | None = None
+    bad_last_ids: torch.Tensor | None = None
+    # Whether any row has a repetition, frequency or presence penalty.
+    any_penalty: bool = False
+
+    def graph_key(self) -> tuple[object, ...]:
+        """What a captured sampler graph depends on besides the buffers' contents: every tensor's address and
+        shape (a grown pool or another entry bucket is another graph), and whether penalties run."""
+        tensors = (self.state, self.recent, self.bias_rows, self.bias_ids, self.bias_values, self.allowed_rows,
+                   self.allowed_ids, self.bad_rows, self.bad_prefixes, self.bad_last_ids)
+        return (self.any_penalty, *((None if t is None else (t.data_ptr(), tuple(t.shape))) for t in tensors))
 
 
 @dataclass(slots=True)
@@ -40,6 +75,16 @@ class SamplingMetadata:
     # sent one contiguous span of its own rows. Padding rows hold MASK_GROUP_PAD (after every group). None: no
     # text, or rows in batch order. The sampler itself does not read it.
     sampling_mask_group: torch.Tensor | None = None
+    # Penalties and logits processors; every field None when no row of the step uses one.
+    processors: LogitsProcessorTensors | None = None
+    # [num_reqs] int64: each row's slot in processors.state (the scratch slot when it has none).
+    penalty_slot: torch.Tensor | None = None
+    # [num_reqs] int32: 1 where the sampled token is counted into the row's slot (it samples and owns a slot).
+    penalty_weight: torch.Tensor | None = None
+    # [num_reqs] float32 each: 1.0, 0.0, 0.0 where off.
+    repetition_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
 
     def narrow(self, n: int) -> SamplingMetadata:
         """The first n rows (views), e.g. the real rows of a padded decode step."""

@@ -8,6 +8,11 @@ A token sampled in a step is counted in `num_tokens` at once, but its value reac
 the step's output is on the host (ModelRunner._write_sampled, run by the step's `get_output()`); until then
 `prev_sampled_idx` of the row says where it sits in the previous step's device tensor of sampled ids, from which
 the next step's input ids take it (so a step can start before the previous one's tokens are on the host).
+
+Penalties and logits processors: a request that uses any has its `RequestProcessors` in `processors` (by req_id)
+and, when it needs device state (a penalty or a multi-token bad word), a slot of the `PenaltyState` pool
+(`penalty_slot`, -1 otherwise), taken at add_request and given back at remove_request (vllm/v1/worker/
+penalty_state.py).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from vllm.sampling_params import _SAMPLING_EPS, SamplingParams
 from vllm.v1.core.sched.output import NewRequestData
+from vllm.v1.worker.penalty_state import PenaltyState, RequestProcessors
 
 
 class InputBatch:
@@ -52,11 +58,24 @@ class InputBatch:
         self.generators: dict[str, torch.Generator] = {}
         # Index of the row's token in the previous step's sampled ids; -1 when the row did not sample there.
         self.prev_sampled_idx = np.full(max_num_reqs, -1, dtype=np.int32)
+        # Penalties and logits processors (module docstring).
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.has_processors = np.zeros(max_num_reqs, dtype=bool)
+        # Rows with sparse entries (logit_bias, min_tokens, allowed_token_ids, bad_words).
+        self.has_entries = np.zeros(max_num_reqs, dtype=bool)
+        self.penalty_slot = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.processors: dict[str, RequestProcessors] = {}
+        self.penalty_state = PenaltyState(max_num_reqs, vocab_size, device)
 
         self._row_arrays = [self.token_ids_cpu, self.num_tokens, self.num_computed_tokens, self.block_table,
                             self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p, self.greedy,
                             self.num_logprobs, self.wants_mask, self.client_index, self.seeded,
-                            self.prev_sampled_idx]
+                            self.prev_sampled_idx, self.num_prompt_tokens, self.has_processors, self.has_entries,
+                            self.penalty_slot, self.repetition_penalty, self.frequency_penalty,
+                            self.presence_penalty]
 
     @property
     def num_reqs(self) -> int:
@@ -76,7 +95,9 @@ class InputBatch:
         self.prev_sampled_idx[row] = -1
         self.client_index[row] = req.client_index
         self.append_block_ids(row, req.block_ids)
+        self.num_prompt_tokens[row] = n_prompt
         self._set_sampling_params(row, req.req_id, req.sampling_params, num_generated=n_out)
+        self._set_processors(row, req)
 
     def _set_sampling_params(self, row: int, req_id: str, sp: SamplingParams, num_generated: int) -> None:
         greedy = sp.temperature < _SAMPLING_EPS
@@ -98,6 +119,23 @@ class InputBatch:
                 scratch.exponential_(generator=gen)
             self.generators[req_id] = gen
 
+    def _set_processors(self, row: int, req: NewRequestData) -> None:
+        procs = RequestProcessors.from_params(req.sampling_params, req.eos_token_id)
+        self.has_processors[row] = procs is not None
+        self.has_entries[row] = procs is not None and procs.has_entries
+        self.penalty_slot[row] = -1
+        self.repetition_penalty[row], self.frequency_penalty[row], self.presence_penalty[row] = 1.0, 0.0, 0.0
+        if procs is None:
+            return
+        self.processors[req.req_id] = procs
+        self.repetition_penalty[row] = procs.repetition
+        self.frequency_penalty[row] = procs.frequency
+        self.presence_penalty[row] = procs.presence
+        if procs.needs_state:
+            max_prefix = max((len(p) for p in procs.bad_prefixes), default=0)
+            self.penalty_slot[row] = self.penalty_state.alloc(req.prompt_token_ids, req.output_token_ids,
+                                                              max_prefix)
+
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = int(self.num_blocks[row])
         self.block_table[row, start:start + len(block_ids)] = block_ids
@@ -108,6 +146,10 @@ class InputBatch:
         if row is None:
             return
         self.generators.pop(req_id, None)
+        self.processors.pop(req_id, None)
+        if self.penalty_slot[row] >= 0:
+            self.penalty_state.free(int(self.penalty_slot[row]))
+            self.penalty_slot[row] = -1
         last = self.num_reqs - 1
         last_id = self.req_ids.pop()
         if row != last:

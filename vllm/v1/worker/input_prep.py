@@ -35,6 +35,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.cuda_events import host_event
 from vllm.v1.worker.input_batch import InputBatch
+from vllm.v1.worker.penalty_state import EntryBuffers
 
 
 class CpuGpuBuffer:
@@ -112,6 +113,13 @@ class InputBuffers:
         self.min_p = buf(max_num_reqs, dtype=torch.float32)
         self.sampling_mask_rows = buf(max_num_reqs, dtype=torch.int32)
         self.sampling_mask_group = buf(max_num_reqs, dtype=torch.int32)
+        # Penalties (written only for steps with a row that uses penalties or logits processors).
+        self.penalty_slot = buf(max_num_reqs, dtype=torch.int64)
+        self.penalty_weight = buf(max_num_reqs, dtype=torch.int32)
+        self.repetition_penalty = buf(max_num_reqs, dtype=torch.float32)
+        self.frequency_penalty = buf(max_num_reqs, dtype=torch.float32)
+        self.presence_penalty = buf(max_num_reqs, dtype=torch.float32)
+        self.processor_entries = EntryBuffers(device)
         self._arange_np = np.arange(max(max_num_tokens, max_model_len, max_num_reqs) + 1, dtype=np.int64)
         self._copied = host_event() if device.type == "cuda" else None
         # Rows of the last prepared step that take their newest input id from the previous step's sampled ids.

@@ -52,7 +52,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput, StepRowSettings
 from vllm.v1.sample.metadata import MASK_GROUP_PAD, ROW_FIELDS, SamplingMetadata
 from vllm.v1.sample.fast_path import fast_path_applies
-from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.sample.sampler import Sampler, SamplerOutput, count_sampled
 from vllm.v1.sample.sampling_mask import SamplingMaskTensors, mask_ids_needed
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput, AsyncOutputCopier
 from vllm.v1.worker.cudagraph import (CudaGraphManager, SamplerGraphs, resolve_capture_sizes,
@@ -60,6 +60,7 @@ from vllm.v1.worker.cudagraph import (CudaGraphManager, SamplerGraphs, resolve_c
 from vllm.v1.worker.input_batch import InputBatch
 from vllm.v1.worker.input_prep import InputBuffers, StepInputs
 from vllm.v1.worker.prompt_logprobs import PromptLogprobsComputer, WithPromptLogprobs
+from vllm.v1.worker.penalty_state import step_penalty_fields
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +328,8 @@ class ModelRunner:
         if self.prompt_logprobs.requests:
             plp = self.prompt_logprobs.compute(inputs.req_ids, self.input_batch.num_computed_tokens[inputs.rows],
                                                inputs.num_scheduled, hidden, self.model.compute_logits)
+        if meta.processors is not None:
+            count_sampled(meta.narrow(num_reqs), out.sampled_token_ids)
         result = self._finish_step(inputs, out)
         if plp is not None:
             result = WithPromptLogprobs(result, plp)  # type: ignore[assignment]
@@ -346,7 +349,8 @@ class ModelRunner:
         None when the sampler graphs cannot take this step's settings (the caller samples eagerly)."""
         assert self.sampler_graphs is not None
         key = (meta.all_greedy, meta.all_random, meta.temperature is None, meta.top_p is None, meta.min_p is None,
-               meta.max_num_logprobs, meta.max_top_k, meta.sampling_mask_rows is None)
+               meta.max_num_logprobs, meta.max_top_k, meta.sampling_mask_rows is None,
+               None if meta.processors is None else meta.processors.graph_key())
 
         def make_fn(size: int) -> Callable[[], SamplerOutput]:
             # NOTE: what a graph of `size` rows reads: that size's forward output and the buffers' first rows.
@@ -451,7 +455,9 @@ class ModelRunner:
                 values = np.concatenate([values, np.full(pad, neutral, dtype=values.dtype)])
             return buffers.sampling_tensor(buffer, values)
 
+        penalty_fields = step_penalty_fields(batch, inputs.req_ids, rows, samples, buffers, tensor, self.vocab_size)
         return SamplingMetadata(
+            **penalty_fields,
             temperature=None if all_greedy else tensor(buffers.temperature, batch.temperature[rows], 1.0),
             all_greedy=all_greedy, all_random=all_random,
             top_p=tensor(buffers.top_p, top_p, 1.0) if bool((top_p < 1.0).any()) else None,

@@ -23,6 +23,8 @@ class NewRequestData:
     num_computed_tokens: int
     # The API server that sent it (EngineCoreRequest.client_index).
     client_index: int = 0
+    # The request's EOS token (banned before min_tokens output tokens, with its stop token ids).
+    eos_token_id: int | None = None
 
 
 @dataclass(slots=True)

@@ -255,6 +255,7 @@ class Scheduler:
                     block_ids=kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     client_index=request.client_index,
+                    eos_token_id=request.eos_token_id,
                 ))
                 request.num_computed_tokens += num_new_tokens
                 if tracks_placeholders and (request.num_computed_tokens
