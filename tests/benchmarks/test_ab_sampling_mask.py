@@ -31,8 +31,8 @@ def test_arm_names_with_extra_environment() -> None:
 
 
 def test_arm_request_fields_go_into_every_request_body_of_that_arm() -> None:
-    arm = "mask+VLLM_SAMPLING_MASK_TEXT=0@presence_penalty=0.5@repetition_penalty=1.1"
-    assert ab.arm_spec(arm) == (["--return-sampling-mask"], {"VLLM_SAMPLING_MASK_TEXT": "0"})
+    arm = "mask+VLLM_ATTENTION_BACKEND=TORCH@presence_penalty=0.5@repetition_penalty=1.1"
+    assert ab.arm_spec(arm) == (["--return-sampling-mask"], {"VLLM_ATTENTION_BACKEND": "TORCH"})
     assert ab.arm_body(arm) == {"presence_penalty": 0.5, "repetition_penalty": 1.1}
     assert ab.arm_body("mask") == {}
     args = ab.make_parser().parse_args(["--arms", "mask", arm])
