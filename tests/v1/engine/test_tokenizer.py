@@ -77,7 +77,9 @@ def hf(tok_dir: str):
     return transformers.PreTrainedTokenizerFast.from_pretrained(tok_dir)
 
 
-TEXTS = SENTENCES + ["", "  leading spaces", "mixed <|im_start|>special<|im_end|> tokens", "日本\nwörld\t🙂"]
+# The last one is longer than _GIL_FREE_CHARS (encoded through encode_batch, with the GIL released).
+TEXTS = SENTENCES + ["", "  leading spaces", "mixed <|im_start|>special<|im_end|> tokens", "日本\nwörld\t🙂",
+                     " ".join(SENTENCES) * 200 + " <|im_end|>"]
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -237,13 +237,12 @@ def test_select_falls_back_to_torch_when_the_kernel_cannot_compile(monkeypatch: 
 
     from vllm.v1.sample.ops import topk_select
 
-    class Broken:
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-                raise triton.CompilationError("src", None, "cannot compile")
-            return launch
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise triton.CompilationError("src", None, "cannot compile")
 
-    monkeypatch.setattr(topk_select, "_topk_select_kernel", Broken())
+    # NOTE: the select's entry (the prefilter) fails to compile; the tensors stay on the CPU, which a compiled kernel
+    # (no TRITON_INTERPRET, e.g. on a GPU machine) could not read anyway.
+    monkeypatch.setattr(topk_select, "_select_prefilter", broken)
     monkeypatch.setattr(topk_select, "_kernel_failed", False)
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 300, generator=gen)
