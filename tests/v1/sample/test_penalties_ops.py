@@ -36,9 +36,13 @@ def test_kernel_equals_torch_and_numpy(dtype: torch.dtype) -> None:
     pres = torch.tensor(rng.uniform(-2, 2, n), dtype=torch.float32)
     rep[6], freq[6], pres[6] = 1.0, 0.0, 0.0  # a neutral row on the scratch slot: unchanged
     outs = []
+    # NOTE: the kernel on CUDA tensors where there is a GPU (a compiled kernel cannot read CPU tensors), else
+    # interpreted on the CPU.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     for use_triton in (False, True):
-        out = torch.empty((n, V), dtype=torch.float32)
-        outs.append(apply_penalties(logits, state, slot, rep, freq, pres, out=out, use_triton=use_triton))
+        args = [t.to(dev) if use_triton else t for t in (logits, state, slot, rep, freq, pres)]
+        out = torch.empty((n, V), dtype=torch.float32, device=args[0].device)
+        outs.append(apply_penalties(*args, out=out, use_triton=use_triton).cpu())
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0][6], logits[6].float())
     x = logits.double().numpy()
