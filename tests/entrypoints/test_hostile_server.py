@@ -234,8 +234,10 @@ def test_hostile_corpus_is_4xx_with_openai_body(server: RemoteServer) -> None:
 
 def test_limit_messages(server: RemoteServer) -> None:
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as http:
-        error = check_openai_error(_send(http, "POST", COMPLETIONS, "x" * (BODY_LIMIT + 1), None), "413")
+        too_large = _send(http, "POST", COMPLETIONS, "x" * (BODY_LIMIT + 1), None)
+        error = check_openai_error(too_large, "413")
         assert error["code"] == 413 and error["type"] == "RequestEntityTooLargeError"
+        assert too_large.headers["connection"] == "close"  # the rest of the body is not read
         assert f"({BODY_LIMIT + 1} bytes) is larger than this server's limit of {BODY_LIMIT} bytes" in error["message"]
         chunked = check_openai_error(_send(http, "POST", COMPLETIONS, _chunked(b"x" * (BODY_LIMIT + 1)), None), "chunk")
         assert chunked["code"] == 413

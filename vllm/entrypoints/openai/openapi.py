@@ -27,12 +27,19 @@ _ERRORS = {
 }
 
 
+# One Server-Sent Event of a stream (OpenAPI 3.2's itemSchema; the stream as a whole is the array of its events, as
+# schemathesis reads it): `data` is a chunk's JSON text, or `[DONE]`.
+_SSE_EVENT: dict[str, Any] = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+    "retry": {"type": "integer"}}}
+
 def route_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """The `responses` of a generation route: its JSON body, its SSE stream and the OpenAI errors."""
     responses: dict[int | str, dict[str, Any]] = {200: {
         "model": model, "description": "The whole response (JSON), or with `stream: true` Server-Sent Events: "
                                        "`data: {chunk}` per chunk, then `data: [DONE]`.",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+        "content": {"text/event-stream": {"schema": {"type": "array", "items": _SSE_EVENT},
+                                                "itemSchema": _SSE_EVENT}}}}
     for code, description in _ERRORS.items():
         responses[code] = {"model": ErrorResponse, "description": description}
     return responses
