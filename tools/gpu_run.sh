@@ -11,7 +11,7 @@
 # `sampler` (kernel benchmarks), `kprof` (the decode step kernel by kernel), `throughput` (offline, no mask),
 # `offline_mask` (offline without / with masks), `ab` (the serving A/B, AB_ARGS), `acceptance_rounds` (the serving
 # A/B of the headline: no mask and mask, three rounds), `weight_update` (RL weight updates), `sleep` (sleep mode's
-# CUDA tests and benchmark). `offline_trees` compares source trees offline (TREES; tools/snap_trees.sh),
+# CUDA tests and benchmark), `prefix` (the prefix cache's GRPO and multi-turn benchmarks, cache on and off). `offline_trees` compares source trees offline (TREES; tools/snap_trees.sh),
 # tools/gpu_ab_trees.sh the same for the serving A/B.
 # Stage options: TEST_PATHS (tests), MASK_ARGS (e.g. --tilings), KPROF_ARGS, AB_ARGS; CPU_SAMPLE=1 records
 # per-thread CPU use (tools/cpu_sample.py) and the GPU's clocks and throttle reasons while the stages run.
@@ -55,6 +55,15 @@ for s in $stages; do
       python3 -m pytest -q -p no:cacheprovider -rfE tests/v1/worker/test_sleep_cuda.py 2>&1 | tail -15 \
         | tee "$OUT/sleep_tests.txt"
       python3 benchmarks/benchmark_sleep.py --json-out "$OUT/sleep.json" 2>&1 | grep -v Warning | tee "$OUT/sleep.txt" ;;
+    prefix)  # the prefix cache (docs/benchmarks.md): GRPO (64 prompts x 2048 tokens, n = 8, 256 out) and multi-turn
+      # (32 sessions x 8 turns of +256 tokens, 128 out), offline, cache on then off (~2 min)
+      m="--model benchmarks/configs/qwen2.5-1.5b-instruct --load-format dummy --skip-tokenizer-init --max-num-seqs 512"
+      for c in "" --no-enable-prefix-caching; do
+        python3 benchmarks/benchmark_prefix_caching.py $m --workload grpo --num-groups 64 --prompt-len 2048 --n 8 \
+          --output-len 256 $c 2>&1 | grep "^|" | tail -1 | tee -a "$OUT/prefix.txt"
+        python3 benchmarks/benchmark_prefix_caching.py $m --workload multi-turn --num-sessions 32 --turns 8 \
+          --turn-len 256 --output-len 128 $c 2>&1 | grep "^|" | tail -1 | tee -a "$OUT/prefix.txt"
+      done ;;
     weight_update)  # in-place weight updates (docs/rl.md): disk from the page cache, IPC from a second process
       python3 benchmarks/benchmark_weight_update.py --json-out "$OUT/weight_update.json" 2>&1 | grep -v Warning \
         | tee "$OUT/weight_update.txt" ;;
