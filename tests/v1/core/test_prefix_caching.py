@@ -188,9 +188,7 @@ def test_prompt_logprobs_requests_get_no_hits(make_scheduler: MakeScheduler) -> 
     runner = KVRunner(sched)
     sched.add_request(_request("a", list(range(12)), max_tokens=1))
     runner.run_to_completion()
-    b = _request("b", list(range(12)), max_tokens=1)
-    b.sampling_params.prompt_logprobs = 0  # NOTE: set past validation (prompt_logprobs lands separately)
-    sched.add_request(b)
+    sched.add_request(_request("b", list(range(12)), max_tokens=1, prompt_logprobs=0))
     out, outs = runner.step()
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert outs.scheduler_stats.prefix_cache_queries == 0  # not a lookup

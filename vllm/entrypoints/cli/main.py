@@ -25,7 +25,7 @@ def _configure_logging() -> None:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `vllm serve`: the API server's, then the engine's."""
-    from vllm.entrypoints.openai.api_server import add_frontend_args
+    from vllm.entrypoints.openai.cli_args import add_frontend_args
     add_frontend_args(parser)
     AsyncEngineArgs.add_cli_args(parser)
     return parser
@@ -42,7 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from vllm.entrypoints.openai.api_server import check_frontend_args, loop_factory, run_api_servers, run_server
+    from vllm.entrypoints.openai.api_server import loop_factory, run_api_servers, run_server
+    from vllm.entrypoints.openai.cli_args import check_frontend_args
     try:
         check_frontend_args(args, AsyncEngineArgs.from_cli_args(args).create_engine_config().model_config)
     except ValueError as e:

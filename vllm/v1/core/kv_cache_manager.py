@@ -69,7 +69,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The request's longest run of cached leading full blocks, at most `num_tokens - 1` tokens' worth (none
         without caching or with prompt_logprobs). Nothing is taken yet: pass them to `allocate_slots`."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         get = self.block_pool.cached_blocks.get
@@ -83,7 +83,7 @@ class KVCacheManager:
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (vLLM's PrefixCacheStats: its tokens queried, its hit tokens)."""
-        if self.enable_caching and request.sampling_params.prompt_logprobs is None:
+        if self.enable_caching and not request.skip_reading_prefix_cache:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:

@@ -84,10 +84,7 @@ class EngineSleepMixin:
                             lambda: self._release_memory(level))
         self._drain()
         if mode == "keep":
-            scheduler = self.scheduler
-            for request in reversed(list(scheduler.running)):  # NOTE: appendleft: the waiting order is kept
-                scheduler.running.remove(request)
-                scheduler._preempt(request)
+            self.scheduler.preempt_running()
         self._release_memory(level)
         return None
 

@@ -468,9 +468,14 @@ class Scheduler:
         `reset_running_requests`, which first preempts every running request (each resumes later, recomputing its
         KV; they keep their places, in order). The caller makes sure no step is in flight."""
         if reset_running_requests:
-            while self.running:
-                self._preempt(self.running.pop())
+            self.preempt_running()
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def preempt_running(self) -> None:
+        """Preempt every running request (blocks freed; each resumes later, recomputing its KV, in its place). The
+        caller makes sure no step is in flight."""
+        while self.running:
+            self._preempt(self.running.pop())
 
 
 def _request_row_settings(reqs: list[Request]) -> StepRowSettings:
