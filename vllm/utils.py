@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import uuid
 
 _warned: set[tuple[str, str]] = set()
@@ -45,3 +46,10 @@ def unwrap_info(value: object, key: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{key} must be an object (a dict), got {type(value).__name__}.")
     return value
+
+
+def get_open_port() -> int:
+    """A TCP port free on this host now (vLLM's helper): for a torch.distributed init method or a store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
