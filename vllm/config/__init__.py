@@ -11,7 +11,7 @@ import torch
 
 from vllm.config.cache import CacheConfig
 from vllm.config.model import ModelConfig
-from vllm.config.parallel import ParallelConfig
+from vllm.config.parallel import ParallelConfig, check_tensor_parallel
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.weight_transfer import WeightTransferConfig
 
@@ -55,6 +55,7 @@ class VllmConfig:
         self.model_config.dtype = self.dtype  # NOTE: resolved, as vLLM's worker extensions read it
         assert self.model_config.max_model_len is not None
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        check_tensor_parallel(self.parallel_config, self.model_config.hf_config, self.device_config.torch_device)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda"
         if self.model_config.return_sampling_mask:

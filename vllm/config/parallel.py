@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
-# NOTE: vLLM's names for a single worker (uni) and for worker processes (mp); both run the one executor here.
-EXECUTOR_BACKENDS = (None, "uni", "mp")
+import torch
+
+# vLLM's names: one worker in the engine core's process (uni), one process per rank on this node (mp), Ray actors
+# placed by a placement group (ray); vllm/v1/executor/.
+EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 
 
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    """Number of tensor-parallel ranks (only 1 is supported yet)."""
+    """Number of tensor-parallel ranks: one worker per rank (docs/parallelism.md); it must divide the model's
+    attention heads."""
     enable_batch_sharded_sampling: bool = False
     """Shard the sampler's batch over tensor-parallel ranks and gather the sampled tokens."""
     pipeline_parallel_size: int = 1
     """Number of pipeline stages; only 1 (no pipeline parallelism)."""
     distributed_executor_backend: str | None = None
-    """None, uni or mp: all mean the one executor there is, the model in the engine core's own process; ray and
-    external_launcher are refused."""
+    """uni (one worker, in the engine core's process), mp (rank 0 there, ranks 1..N-1 in processes of their own on
+    this node) or ray (ranks 1..N-1 as Ray actors of a placement group); None: uni for one rank, else mp.
+    external_launcher is refused."""
     enable_expert_parallel: bool = False
     """Only False: there is no expert parallelism (nor a mixture-of-experts model)."""
     worker_extension_cls: str = ""
@@ -29,18 +35,51 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.worker_extension_cls:
             resolve_worker_extension(self.worker_extension_cls)  # NOTE: here, so that a bad path fails early
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: this engine "
-                             "runs on one device; use --tensor-parallel-size 1.")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}.")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: this engine "
                              "runs on one device; use --pipeline-parallel-size 1.")
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not supported: "
-                             "this engine has a single-process executor only; use None, 'uni' or 'mp'.")
+        self._resolve_executor_backend()
         if self.enable_expert_parallel:
             raise ValueError("enable_expert_parallel=True is not supported: this engine has no expert parallelism; "
                              "use enable_expert_parallel=False (--no-enable-expert-parallel).")
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine: tensor_parallel_size (no pipeline stages)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _resolve_executor_backend(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend == "external_launcher":
+            raise ValueError("distributed_executor_backend='external_launcher' is not supported: this engine starts "
+                             "its own workers; use 'mp' (one node) or 'ray'.")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r} is not supported; use 'uni', 'mp' or 'ray'.")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size="
+                             f"{self.tensor_parallel_size} needs {self.world_size}; use 'mp' or 'ray'.")
+        if backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+
+
+def check_tensor_parallel(parallel_config: ParallelConfig, hf_config: Any, device: torch.device) -> None:
+    """tensor_parallel_size against the model (it must divide the attention heads) and the devices (one CUDA
+    device per rank on this node, unless Ray places the ranks)."""
+    tp = parallel_config.tensor_parallel_size
+    if tp == 1:
+        return
+    num_heads = int(hf_config.num_attention_heads)
+    if num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {num_heads} attention heads; use "
+                         "a divisor of the head count.")
+    if device.type == "cuda" and parallel_config.distributed_executor_backend != "ray":
+        num_devices = torch.cuda.device_count()
+        if tp > num_devices:
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, but {num_devices} are visible; "
+                             "lower it, or use --distributed-executor-backend ray to place ranks on other nodes.")
 
 
 def resolve_worker_extension(qualname: str | type) -> type:

@@ -147,6 +147,9 @@ class InprocClient(EngineCoreClient):
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests() or bool(self.engine_core.pending_outputs)
 
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
     def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
         core = self.engine_core
         if method not in core.UTILITY_METHODS:
