@@ -195,8 +195,10 @@ def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
         if body.get("quantize_in_weight_transfer"):
             raise ValueError("quantize_in_weight_transfer is not supported: the broadcast must carry "
                              "checkpoint-format weights.")
-        if body.get("engine_world_size") not in (None, 1):
-            raise ValueError(f"engine_world_size={body['engine_world_size']!r}: this server has one worker.")
+        tp = engine.vllm_config.parallel_config.tensor_parallel_size
+        if body.get("engine_world_size") not in (None, tp):
+            raise ValueError(f"engine_world_size={body['engine_world_size']!r}: this server has {tp} worker(s), one "
+                             "per tensor-parallel rank.")
         await engine.init_broadcaster(_required(body, "host"), _required(body, "port"),
                                       body.get("rank_offset", 0), _required(body, "inference_world_size"),
                                       body.get("timeout", 1200))

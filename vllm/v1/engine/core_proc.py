@@ -314,8 +314,9 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
     exit_code = 0
     try:
         try:
-            if vllm_config.parallel_config.world_size == 1:
-                _init_default_process_group()  # NOTE: with more ranks, the driver worker joins the engine's world
+            # NOTE: with several ranks the driver worker joins the engine's own world instead (vllm/v1/executor/).
+            if getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) == 1:
+                _init_default_process_group()
             if engine_core_factory is None:
                 from vllm.v1.engine.core import EngineCore
                 engine_core_factory = EngineCore
