@@ -2,14 +2,16 @@
 TP=1 engine as the reference: greedy tokens, seeded tokens and their sampling masks at TP=2 (sync scheduling) and
 TP=4 (async scheduling, two steps in flight on every rank) equal TP=1's in float32; collective_rpc reaches every
 rank in rank order (worker methods, a worker extension, a callable) with each rank's own rank, device and
-process; a disk weight update under TP=2 gives the outputs of a fresh TP=1 engine on the new checkpoint; a killed
-worker process ends in EngineDeadError, not a hang.
+process; sleep and wake-up reach every rank; weight updates under TP=2 (from disk, and over the nccl backend with
+world_size = 1 + ranks, gloo on CPU, the trainer in its own process) give the outputs of a fresh TP=1 engine on
+the checkpoint sent; a killed worker process ends in EngineDeadError, not a hang.
 
 Until the model shards itself (wip/tp) every rank holds the whole model; these tests compare with a TP=1 engine,
 never with themselves, so they check real sharding once it is there."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -18,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rl_checkpoints import perturbed_weights, write_checkpoint
+from rl_checkpoints import bundled_weights, perturbed_weights, write_checkpoint
 from rl_worker_ext import param_sum, rank_and_double, worker_rank
 
 from vllm import LLM, SamplingParams
+from vllm.utils import get_open_port
 from vllm.v1.engine.core_client import EngineDeadError
 
 PROMPTS = [{"prompt_token_ids": [5, 17, 42, 9, 300, 12]}, {"prompt_token_ids": list(range(40, 90))},
@@ -64,7 +67,8 @@ def reference(new_checkpoint: Path) -> dict[str, Outputs]:
 
 @pytest.fixture(scope="module")
 def tp2() -> Any:
-    llm = LLM(**ENGINE, tensor_parallel_size=2, worker_extension_cls=EXT, weight_transfer_config={"backend": "disk"})
+    llm = LLM(**ENGINE, tensor_parallel_size=2, worker_extension_cls=EXT, weight_transfer_config={"backend": "nccl"},
+              enable_sleep_mode=True)
     yield llm
     llm.llm_engine.shutdown()
 
@@ -90,16 +94,62 @@ def test_collective_rpc_reaches_every_rank_in_order(tp2: LLM) -> None:
     assert tp2.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_sleep_and_wake_reach_every_rank(tp2: LLM, reference: dict[str, Outputs]) -> None:
+    tp2.sleep(level=1)
+    assert tp2.collective_rpc("sleeping_tags") == [{"weights", "kv_cache"}] * 2
+    tp2.wake_up(tags=["weights"])
+    assert tp2.collective_rpc("sleeping_tags") == [{"kv_cache"}] * 2
+    tp2.wake_up()
+    assert tp2.collective_rpc("sleeping_tags") == [set(), set()]
+    assert _outputs(tp2) == reference["old"]
+
+
 def test_disk_weight_update_reaches_every_rank(tp2: LLM, reference: dict[str, Outputs],
                                                new_checkpoint: Path) -> None:
+    """prime-rl's /update_weights {"weight_dir"} path (a disk load whatever the backend)."""
     name = "model.layers.1.mlp.down_proj.weight"
     before = tp2.collective_rpc(param_sum, args=(name,))
-    tp2.start_weight_update(is_checkpoint_format=True)
-    tp2.update_weights({"update_info": {"path": str(new_checkpoint)}})
-    tp2.finish_weight_update("step-1")
+    tp2.llm_engine.engine_core.call_utility("load_weights_from_disk", str(new_checkpoint), "step-1")
     after = tp2.collective_rpc(param_sum, args=(name,))
-    assert all(a != b for a, b in zip(after, before))
+    assert len(after) == 2 and all(a != b for a, b in zip(after, before))
+    assert tp2.get_weight_version() == "step-1"
     assert _outputs(tp2) == reference["new"]
+
+
+def _trainer(port: int, world_size: int, rounds: list[tuple[str, dict[str, Any]]]) -> None:
+    """The trainer process: rank 0 of the weight group (world_size = 1 + the engine's ranks)."""
+    from vllm.distributed.weight_transfer import NCCLWeightTransferEngine
+    group = NCCLWeightTransferEngine.trainer_init({"master_address": "127.0.0.1", "master_port": port,
+                                                   "world_size": world_size, "device": "cpu"})
+    for which, args in rounds:
+        weights = perturbed_weights(seed=3) if which == "new" else bundled_weights()
+        NCCLWeightTransferEngine.trainer_send_weights(iter(sorted(weights.items())), {"group": group, **args})
+
+
+def test_nccl_weight_update_reaches_every_rank(tp2: LLM, reference: dict[str, Outputs]) -> None:
+    """vLLM's protocol with world_size = 1 + ranks: the trainer is rank 0, engine rank r is rank_offset + r."""
+    port = get_open_port()
+    packed = {"packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2}
+    rounds = [("old", {"packed": False}), ("new", packed)]
+    trainer = multiprocessing.get_context("spawn").Process(target=_trainer, args=(port, 3, rounds))
+    trainer.start()
+    try:
+        tp2.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1", "master_port": port,
+                                                       "rank_offset": 1, "world_size": 3}})
+        for (which, args), version in zip(rounds, ("v2", "v3")):
+            weights = perturbed_weights(seed=3) if which == "new" else bundled_weights()
+            names = sorted(weights)
+            tp2.start_weight_update()
+            tp2.update_weights({"update_info": {
+                "names": names, "dtype_names": [str(weights[n].dtype).removeprefix("torch.") for n in names],
+                "shapes": [list(weights[n].shape) for n in names], **args}})
+            tp2.finish_weight_update(version)
+            assert _outputs(tp2) == reference[which]
+    finally:
+        trainer.join(60)
+        if trainer.is_alive():
+            trainer.kill()
+    assert trainer.exitcode == 0
 
 
 def test_tp4_async_scheduling_outputs_equal_tp1(reference: dict[str, Outputs]) -> None:

@@ -2,10 +2,10 @@
 
 The engine core joins the Ray cluster named by RAY_ADDRESS (Ray reads it; `ray start --head` makes one across
 nodes), or starts a local Ray instance when it is unset. A placement group holds one bundle per rank ({"GPU": 1}
-on CUDA, {"CPU": 1} on CPU), packed, preferably on this node; bundle 0 is the driver's and must be on this node.
-Actor r runs in bundle r: it builds the worker of rank r (on CUDA, on the one GPU Ray gives it: local_rank 0 of its
-CUDA_VISIBLE_DEVICES), joins the world at tcp://<this node's IP>:port, and runs the same step loop as a spawned
-worker (vllm/v1/executor/distributed.py), so steps and collective_rpc travel over torch.distributed here too.
+on CUDA, {"CPU": 1} on CPU), packed; the driver (rank 0) takes one on this node (there must be one), and ranks
+1..N-1 the others, in bundle order, one actor each. An actor builds the worker of its rank (on CUDA, on the one
+GPU Ray gives it: local_rank 0 of its CUDA_VISIBLE_DEVICES), joins the world at tcp://<this node's IP>:port, and
+runs the same step loop as a spawned worker (vllm/v1/executor/distributed.py), so steps and collective_rpc travel over torch.distributed here too.
 
 Invariants:
 - Each actor's `start` call returns only when its loop ends; a call that finishes (or fails: a dead actor) before
@@ -76,8 +76,7 @@ class RayDistributedExecutor(DistributedExecutorBase):
                      **({"num_cpus": max(os.cpu_count() or 1, self.world_size)} if local and not on_cuda else {}))
         bundle = {"GPU": 1.0} if on_cuda else {"CPU": 1.0}
         node_id = ray.get_runtime_context().get_node_id()
-        self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK",
-                                   _soft_target_node_id=node_id)
+        self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         self._actors: list[Any] = []
         self._refs: list[Any] = []
         try:
@@ -87,17 +86,21 @@ class RayDistributedExecutor(DistributedExecutorBase):
             raise RuntimeError(f"Ray could not place {self.world_size} bundles of {bundle} within "
                                f"{_PLACEMENT_TIMEOUT_S:.0f} s ({type(e).__name__}); the cluster has "
                                f"{ray.cluster_resources()}.") from None
-        driver_node = placement_group_table(self._pg)["bundles_to_node_id"][0]
-        if driver_node != node_id:
+        bundle_nodes = placement_group_table(self._pg)["bundles_to_node_id"]
+        local = [i for i in range(self.world_size) if bundle_nodes[i] == node_id]
+        if not local:
             self._release_ray()
-            raise RuntimeError("Ray placed the driver's bundle (0) on another node than the engine core's; free "
-                               f"one {bundle} on this node.")
+            raise RuntimeError(f"Ray placed no bundle on the engine core's node, where rank 0 runs; free one {bundle} "
+                               "on this node.")
+        # The driver takes a bundle of this node; ranks 1..N-1 the others, in bundle order.
+        actor_bundles = [i for i in range(self.world_size) if i != local[0]]
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{get_open_port()}"
         actor_cls = ray.remote(RayWorkerWrapper)
-        for rank in range(1, self.world_size):
+        for rank, bundle_index in enumerate(actor_bundles, start=1):
             actor = actor_cls.options(
                 num_cpus=0 if on_cuda else 1, num_gpus=1 if on_cuda else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg,
+                                                                     placement_group_bundle_index=bundle_index),
             ).remote()
             self._actors.append(actor)
             self._refs.append(actor.start.remote(self.vllm_config, rank, init_method))
