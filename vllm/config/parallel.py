@@ -65,9 +65,9 @@ class ParallelConfig:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
 
 
-def check_tensor_parallel(parallel_config: ParallelConfig, hf_config: Any, device: torch.device) -> None:
+def check_tensor_parallel(parallel_config: ParallelConfig, hf_config: Any, device: str) -> None:
     """tensor_parallel_size against the model (it must divide the attention heads) and the devices (one CUDA
-    device per rank on this node, unless Ray places the ranks)."""
+    device per rank on this node, unless Ray places the ranks; rank r runs on cuda:r, so no index is given)."""
     tp = parallel_config.tensor_parallel_size
     if tp == 1:
         return
@@ -75,7 +75,10 @@ def check_tensor_parallel(parallel_config: ParallelConfig, hf_config: Any, devic
     if num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {num_heads} attention heads; use "
                          "a divisor of the head count.")
-    if device.type == "cuda" and parallel_config.distributed_executor_backend != "ray":
+    if device.startswith("cuda:"):
+        raise ValueError(f"device={device!r} names one device, but tensor_parallel_size={tp} puts rank r on cuda:r; "
+                         "use device=cuda (and CUDA_VISIBLE_DEVICES to choose the devices).")
+    if device == "cuda" and parallel_config.distributed_executor_backend != "ray":
         num_devices = torch.cuda.device_count()
         if tp > num_devices:
             raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, but {num_devices} are visible; "

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from rl_checkpoints import bundled_weights, perturbed_weights, write_checkpoint
-from rl_worker_ext import param_sum, rank_and_double, worker_rank
+from rl_worker_ext import param_sum, rank_and_double, unpicklable_result, worker_rank
 
 from vllm import LLM, SamplingParams
 from vllm.utils import get_open_port
@@ -90,6 +90,9 @@ def test_collective_rpc_reaches_every_rank_in_order(tp2: LLM) -> None:
         tp2.collective_rpc("nope")
     with pytest.raises(ValueError, match="engine's own step"):
         tp2.collective_rpc("execute_model", args=(None,))
+    # A result that cannot travel back is an error, not a hang.
+    with pytest.raises(RuntimeError, match="pickle|picklable"):
+        tp2.collective_rpc(unpicklable_result)
     # The engine still serves after refused calls: the ranks stayed in step.
     assert tp2.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 

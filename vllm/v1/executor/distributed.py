@@ -137,9 +137,11 @@ class DistributedExecutorBase(Executor):
     def _init_executor(self) -> None:
         self._failure: str | None = None
         self._is_shutdown = False
+        # The driver's device index (cuda:local_rank); a backend may set another one in _start_workers.
+        self.driver_local_rank = 0
         distributed_init_method = self._start_workers()
         try:
-            self.driver_worker = make_worker(self.vllm_config, 0, 0, distributed_init_method)
+            self.driver_worker = make_worker(self.vllm_config, 0, self.driver_local_rank, distributed_init_method)
         except Exception as e:
             failure = self._worker_failure()
             self.shutdown()

@@ -3,7 +3,8 @@
 The engine core joins the Ray cluster named by RAY_ADDRESS (Ray reads it; `ray start --head` makes one across
 nodes), or starts a local Ray instance when it is unset. A placement group holds one bundle per rank ({"GPU": 1}
 on CUDA, {"CPU": 1} on CPU), packed; the driver (rank 0) takes one on this node (there must be one), and ranks
-1..N-1 the others, in bundle order, one actor each. An actor builds the worker of its rank (on CUDA, on the one
+1..N-1 the others, in bundle order, one actor each (on CUDA the driver's bundle holds a small actor that keeps its
+GPU from the others; the driver runs on that GPU's index). An actor builds the worker of its rank (on CUDA, on the one
 GPU Ray gives it: local_rank 0 of its CUDA_VISIBLE_DEVICES), joins the world at tcp://<this node's IP>:port, and
 runs the same step loop as a spawned worker (vllm/v1/executor/distributed.py), so steps and collective_rpc travel over torch.distributed here too.
 
@@ -51,6 +52,15 @@ class RayWorkerWrapper:
             destroy_distributed_environment()
 
 
+class RayGpuHolder:
+    """An actor in the driver's bundle on CUDA: it holds that bundle's GPU, so Ray gives it to no other actor, and
+    tells its id, which the driver (not an actor: it sees every GPU of the node) then uses."""
+
+    def gpu_id(self) -> int:
+        import ray
+        return int(ray.get_gpu_ids()[0])
+
+
 def _import_ray() -> Any:
     try:
         import ray
@@ -94,6 +104,13 @@ class RayDistributedExecutor(DistributedExecutorBase):
                                "on this node.")
         # The driver takes a bundle of this node; ranks 1..N-1 the others, in bundle order.
         actor_bundles = [i for i in range(self.world_size) if i != local[0]]
+        if on_cuda:
+            holder = ray.remote(RayGpuHolder).options(
+                num_cpus=0, num_gpus=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=local[0]),
+            ).remote()
+            self._actors.append(holder)
+            self.driver_local_rank = ray.get(holder.gpu_id.remote())
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{get_open_port()}"
         actor_cls = ray.remote(RayWorkerWrapper)
         for rank, bundle_index in enumerate(actor_bundles, start=1):
