@@ -205,3 +205,12 @@ def test_killed_worker_gives_engine_dead_error(when: str) -> None:
         assert isinstance(_generate_in_thread(llm, 30), EngineDeadError)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_worker_start_up_failure_fails_the_engine_start() -> None:
+    """Rank 1 fails before it joins the group (its extension does not import there): the engine's start fails
+    with an error, within a bound, instead of waiting for the rank."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="Engine core"):
+        LLM(**ENGINE, tensor_parallel_size=2, worker_extension_cls="rl_worker_ext_rank0_only.Extension")
+    assert time.monotonic() - start < 120

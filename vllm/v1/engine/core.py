@@ -1,4 +1,7 @@
-"""EngineCore: the scheduler and the worker in a loop; `step()` runs one schedule -> execute -> update cycle.
+"""EngineCore: the scheduler and the workers in a loop; `step()` runs one schedule -> execute -> update cycle.
+
+The workers are reached through `model_executor` (vllm/v1/executor/): one worker in this process, or one per
+tensor-parallel rank with rank 0 (`worker`) here; a step's output is rank 0's.
 
 It speaks only the engine-core protocol (vllm.v1.engine): EngineCoreRequests in, EngineCoreOutputs out.
 

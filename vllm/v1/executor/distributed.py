@@ -144,7 +144,8 @@ class DistributedExecutorBase(Executor):
             self.driver_worker = make_worker(self.vllm_config, 0, self.driver_local_rank, distributed_init_method)
         except Exception as e:
             failure = self._worker_failure()
-            self.shutdown()
+            self._failure = failure or f"the driver failed to start ({type(e).__name__}: {e})"
+            self.shutdown()  # NOTE: not graceful: the other ranks wait for a start-up that will not come
             if failure is not None:
                 raise RuntimeError(f"Tensor-parallel start-up failed: {failure}") from e
             raise
