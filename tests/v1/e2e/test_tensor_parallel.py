@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed
 from rl_checkpoints import bundled_weights, perturbed_weights, write_checkpoint
 from rl_worker_ext import param_sum, rank_and_double, unpicklable_result, worker_rank
 
@@ -55,6 +56,9 @@ def new_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(new_checkpoint: Path) -> dict[str, Outputs]:
     """TP=1 engines (in this process) on the bundled checkpoint and on the new one."""
     old_llm = LLM(**ENGINE)
+    # One rank: the worker is called in this process, and this process's torch.distributed is left alone.
+    core = old_llm.llm_engine.engine_core.engine_core
+    assert type(core.model_executor).__name__ == "UniProcExecutor" and not torch.distributed.is_initialized()
     old = _outputs(old_llm)
     old_llm.llm_engine.shutdown()
     new_llm = LLM(str(new_checkpoint), **ENGINE)
