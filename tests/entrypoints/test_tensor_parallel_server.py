@@ -1,10 +1,12 @@
 """`vllm serve --tensor-parallel-size 2` on CPU (gloo): a streamed completion with sampling masks equals the same
 seeded request in an in-process TP=1 engine, chunk by chunk aligned; /collective_rpc answers once per rank, in
-rank order; /get_world_size says 2."""
+rank order; /get_world_size says 2; a killed worker process ends the server (non-zero) instead of a hang."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterator
 
 import httpx
@@ -51,3 +53,30 @@ def test_collective_rpc_and_world_size(tp_server: RemoteServer) -> None:
         results = resp.json()["results"]
         assert len(results) == 2 and all("model.embed_tokens.weight" in r for r in results)
         assert http.get("/get_world_size").json() == {"world_size": 2}
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+def test_killing_a_worker_exits_the_server_nonzero(tp_server: RemoteServer) -> None:
+    """Last in the module: rank 1's process dies; the engine core ends, so the server does (as when the engine
+    core itself dies), instead of serving requests that would wait for the lost rank."""
+    core = tp_server.engine_core_pid()
+    workers = []
+    for pid in _children(core):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                workers.append(pid)
+    assert len(workers) == 1  # rank 1; rank 0 is the engine core itself
+    os.kill(workers[0], signal.SIGKILL)
+    try:
+        returncode = tp_server.proc.wait(60)
+    except Exception:
+        tp_server.proc.kill()
+        raise
+    assert returncode != 0
