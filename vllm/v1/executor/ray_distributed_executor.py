@@ -3,10 +3,11 @@
 The engine core joins the Ray cluster named by RAY_ADDRESS (Ray reads it; `ray start --head` makes one across
 nodes), or starts a local Ray instance when it is unset. A placement group holds one bundle per rank ({"GPU": 1}
 on CUDA, {"CPU": 1} on CPU), packed; the driver (rank 0) takes one on this node (there must be one), and ranks
-1..N-1 the others, in bundle order, one actor each (on CUDA the driver's bundle holds a small actor that keeps its
-GPU from the others; the driver runs on that GPU's index). An actor builds the worker of its rank (on CUDA, on the one
-GPU Ray gives it: local_rank 0 of its CUDA_VISIBLE_DEVICES), joins the world at tcp://<this node's IP>:port, and
-runs the same step loop as a spawned worker (vllm/v1/executor/distributed.py), so steps and collective_rpc travel over torch.distributed here too.
+1..N-1 the others, in bundle order, one actor each (on CUDA the driver's bundle holds a small actor that keeps
+its GPU from the others; the driver runs on that GPU's index). An actor builds the worker of its rank (on CUDA,
+on the one GPU Ray gives it: local_rank 0 of its CUDA_VISIBLE_DEVICES), joins the world at tcp://<this node's
+IP>:port, and runs the same step loop as a spawned worker (vllm/v1/executor/distributed.py), so steps and
+collective_rpc travel over torch.distributed here too.
 
 Invariants:
 - Each actor's `start` call returns only when its loop ends; a call that finishes (or fails: a dead actor) before
