@@ -157,3 +157,15 @@ def test_model_config_heads_per_rank_and_split_checks() -> None:
         mc.verify_with_parallel_config(SimpleNamespace(tensor_parallel_size=3))
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible"):
         mc.verify_with_parallel_config(SimpleNamespace(tensor_parallel_size=8))
+
+
+def test_batch_sharded_sampling_refused_with_several_ranks() -> None:
+    from vllm.config.parallel import ParallelConfig
+    assert ParallelConfig(enable_batch_sharded_sampling=True).tensor_parallel_size == 1  # accepted, no effect
+    try:
+        ParallelConfig(tensor_parallel_size=2)
+    except ValueError as e:  # NOTE: until the executor accepts tensor_parallel_size > 1 (wip/executor)
+        pytest.skip(f"tensor_parallel_size=2 refused here: {e}")
+    with pytest.raises(ValueError, match="enable_batch_sharded_sampling=True is not supported with "
+                                         "tensor_parallel_size > 1"):
+        ParallelConfig(tensor_parallel_size=2, enable_batch_sharded_sampling=True)

@@ -120,6 +120,11 @@ class _StackedLinear(ColumnParallelLinear):
         if self.bias is not None:
             set_weight_attrs(self.bias, {"stacked_full_sizes": full_sizes})
 
+    @property
+    def shard_offsets(self) -> dict[str | int, tuple[int, int]]:
+        """shard id -> (row offset, rows) in this rank's parameter."""
+        return {shard_id: (offset, size) for shard_id, (offset, size, _, _) in self.shards.items()}
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,  # type: ignore[override]
                       shard_id: str | int | None = None) -> None:
         if shard_id is None:
