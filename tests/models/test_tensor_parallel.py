@@ -6,6 +6,8 @@ the one-rank logits. The cases cover GQA with fewer KV heads than ranks (llama, 
 one KV head, q/k/v biases) and per-head q/k norms with tied embeddings (qwen3); the vocabulary (160) is padded to
 192 and split. Also: a weight update from disk (weight_update.py, checkpoint and model format) under TP equals the
 one-rank model on the new weights, and dummy weights at TP=N are the slices of the one-rank dummy weights.
+Every rank gets bit-identical logits, and the sampler run on them (seeded, top-k / top-p, sampling mask) draws
+the tokens and masks of the one-rank model.
 """
 
 from __future__ import annotations
@@ -44,6 +46,23 @@ def _logits(path: str, tp: int, model: torch.nn.Module | None = None) -> torch.T
     return torch.cat([runner.step(PROMPTS, all_logits=True), runner.step(DECODE)])
 
 
+def _sample(logits: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+    """Seeded top-k / top-p draws with sampling masks: (tokens, each row's mask ids)."""
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+    n = logits.shape[0]
+    md = SamplingMetadata(
+        temperature=torch.tensor([1.0, 0.7] * (n // 2), dtype=torch.float32), all_greedy=False, all_random=True,
+        top_p=torch.full((n,), 0.9), top_k=torch.full((n,), 20, dtype=torch.int32), min_p=None,
+        generators={i: torch.Generator().manual_seed(100 + i) for i in range(n)}, max_top_k=20,
+        sampling_mask_rows=torch.ones(n, dtype=torch.int32))
+    out = Sampler("processed_logprobs")(logits, md)
+    assert out.sampling_mask is not None
+    lists = out.sampling_mask.tolists()
+    masks = [lists.token_ids[lists.offsets[r]:lists.offsets[r + 1]].tolist() for r in range(n)]
+    return out.sampled_token_ids.view(-1).tolist(), masks
+
+
 def _member(rank: int, tp: int, port: int, data: dict[str, Any]) -> None:
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.v1.worker.weight_update import WeightUpdater
@@ -54,6 +73,9 @@ def _member(rank: int, tp: int, port: int, data: dict[str, Any]) -> None:
             logits = _logits(path, tp)
             assert logits.shape == data["logits"][name].shape, name
             torch.testing.assert_close(logits, data["logits"][name], atol=1e-5, rtol=1e-5, msg=name)
+            every_rank = ps.tensor_model_parallel_all_gather(logits[None], dim=0)  # [tp, rows, vocab]
+            assert all(torch.equal(every_rank[r], logits) for r in range(tp)), name
+            assert _sample(logits) == data["samples"][name], name
 
         # Weight updates: disk checkpoint (HF names), then the model's own names (is_checkpoint_format=False).
         path_a, path_b = data["paths"]["llama-gqa-bias"], data["update_path"]
@@ -103,9 +125,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model_format_path = tmp_path_factory.mktemp("llama-update-model-format")
     save_file({k: v.contiguous() for k, v in model_b.state_dict().items()}, str(model_format_path / "model.safetensors"))
     dummy = get_model(ModelConfig(model=paths["qwen3-qk-norm-tied"], load_format="dummy", seed=3), CPU, torch.float32)
+    logits = {name: _logits(path, 1) for name, path in paths.items()}
     return {
         "paths": paths,
-        "logits": {name: _logits(path, 1) for name, path in paths.items()},
+        "logits": logits,
+        "samples": {name: _sample(x) for name, x in logits.items()},
         "update_path": str(update_path),
         "update_logits": _logits(paths["llama-gqa-bias"], 1, model_b),
         "model_format_path": str(model_format_path),
@@ -117,6 +141,9 @@ def test_one_rank_reference_is_not_trivial(data: dict[str, Any]) -> None:
     """The references differ between checkpoints and from zero, so equal logits at TP=N mean something."""
     for logits in data["logits"].values():
         assert logits.abs().max() > 0.1 and torch.isfinite(logits).all()
+    for tokens, masks in data["samples"].values():
+        assert all(t in m for t, m in zip(tokens, masks))
+        assert len({len(m) for m in masks}) > 1 and all(1 <= len(m) <= 20 for m in masks)
     assert (data["update_logits"] - data["logits"]["llama-gqa-bias"]).abs().max() > 0.1
 
 
