@@ -12,7 +12,6 @@ the tokens and masks of the one-rank model.
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -124,7 +123,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model_b = get_model(ModelConfig(model=str(update_path)), CPU, torch.float32)
     model_format_path = tmp_path_factory.mktemp("llama-update-model-format")
     save_file({k: v.contiguous() for k, v in model_b.state_dict().items()}, str(model_format_path / "model.safetensors"))
-    dummy = get_model(ModelConfig(model=paths["qwen3-qk-norm-tied"], load_format="dummy", seed=3), CPU, torch.float32)
+    dummy_config = ModelConfig(model=paths["qwen3-qk-norm-tied"], load_format="dummy", seed=3)
+    dummy = get_model(dummy_config, CPU, torch.float32)
     logits = {name: _logits(path, 1) for name, path in paths.items()}
     return {
         "paths": paths,
