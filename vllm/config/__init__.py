@@ -55,6 +55,7 @@ class VllmConfig:
         self.model_config.dtype = self.dtype  # NOTE: resolved, as vLLM's worker extensions read it
         assert self.model_config.max_model_len is not None
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        self.model_config.verify_with_parallel_config(self.parallel_config)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda"
         if self.model_config.return_sampling_mask:

@@ -14,7 +14,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Number of tensor-parallel ranks (only 1 is supported yet)."""
     enable_batch_sharded_sampling: bool = False
-    """Shard the sampler's batch over tensor-parallel ranks and gather the sampled tokens."""
+    """Accepted for vLLM compatibility at tensor_parallel_size 1 (no effect there); refused with more ranks: the
+    logits are gathered to every rank and one sampler step runs on the whole batch (docs/parallelism.md)."""
     pipeline_parallel_size: int = 1
     """Number of pipeline stages; only 1 (no pipeline parallelism)."""
     distributed_executor_backend: str | None = None
@@ -41,6 +42,10 @@ class ParallelConfig:
         if self.enable_expert_parallel:
             raise ValueError("enable_expert_parallel=True is not supported: this engine has no expert parallelism; "
                              "use enable_expert_parallel=False (--no-enable-expert-parallel).")
+        if self.enable_batch_sharded_sampling and self.tensor_parallel_size > 1:
+            raise ValueError("enable_batch_sharded_sampling=True is not supported with tensor_parallel_size > 1: the "
+                             "logits are gathered to every rank and sampled once for the whole batch "
+                             "(docs/parallelism.md); drop --enable-batch-sharded-sampling.")
 
 
 def resolve_worker_extension(qualname: str | type) -> type:

@@ -78,7 +78,7 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.num_layers = mc.num_layers
         self.hidden_size = int(mc.hf_config.hidden_size)
-        self.num_kv_heads = mc.num_kv_heads
+        self.num_kv_heads = mc.get_num_kv_heads(vllm_config.parallel_config)  # this rank's (tensor parallel)
         self.head_size = mc.head_size
         self.return_sampling_mask = mc.return_sampling_mask
 
