@@ -65,9 +65,9 @@ class Sampler(nn.Module):
         raw_mode = want_logprobs and self.logprobs_mode in ("raw_logprobs", "raw_logits")
         need_processed = not md.all_greedy or md.sampling_mask_rows is not None or (want_logprobs and not raw_mode)
         fast = need_processed and self._fast_path_ok(logits, md)
-        # NOTE: the fast path reads the logits in their own dtype (its top-k select and counting read move half
-        # the bytes of bf16) and converts only its candidates and its general-path rows; everything else works on
-        # a float32 copy of the whole batch.
+        # NOTE: the fast path reads the logits in their own dtype (its top-k select moves half the bytes of bf16)
+        # and converts only its candidates and its general-path rows; everything else works on a float32 copy of
+        # the whole batch.
         if not fast or raw_mode:
             logits = logits.to(torch.float32)  # [num_reqs, V]
         raw_values: torch.Tensor | None = None
