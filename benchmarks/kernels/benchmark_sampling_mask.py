@@ -4,7 +4,9 @@ For each (num_reqs, k): fp32 logits [num_reqs, V] that are -inf except a random 
 Measured per step:
 - compact: GPU time of SamplingMaskTensors.from_logits + to_cpu_nonblocking (until the host copy is done),
   the kernel alone, host time of tolists(), bytes copied device -> host;
-- legacy: GPU time of the bitmask pack + full copy, host time of np.unpackbits + np.nonzero, bytes copied;
+- legacy: the pre-change path, defined here as the baseline (isfinite() packed into the full bitmask on the
+  device, all of it copied, unpacked with np.unpackbits + np.nonzero on the host): GPU time of the pack + copy,
+  host time of the unpack, bytes copied;
 - the floor: one read of the logits, measured (a row max) and at the nominal bandwidth (--bandwidth-tbps).
 
 Prints a markdown table and writes JSON to --out. Runs on CUDA; on a machine without CUDA it runs the CPU
@@ -21,11 +23,27 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked, launch_compact, launch_pack_count
-from vllm.v1.sample.legacy_mask import legacy_pack_sampling_mask, legacy_unpack_sampling_mask
-from vllm.v1.sample.sampling_mask import MAX_COMPACT_SUPPORT, SamplingMaskTensors, compact_sampling_mask
+from vllm.v1.outputs import SamplingMaskLists
+from vllm.v1.sample.ops.mask_compaction import (compact_sampling_mask_chunked, launch_compact, launch_pack_count,
+                                                pack_bool_mask)
+from vllm.v1.sample.sampling_mask import MAX_COMPACT_SUPPORT, SamplingMaskTensors
+
+
+def legacy_pack_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor) -> torch.Tensor:
+    """The pre-change device half: isfinite(logits) of rows that sampled as [R, ceil(V/8)] uint8."""
+    return pack_bool_mask(torch.isfinite(logits) & (num_sampled > 0)[:, None])
+
+
+def legacy_unpack_sampling_mask(packed_mask: np.ndarray, vocab_size: int) -> SamplingMaskLists:
+    """The pre-change host half: np.unpackbits + np.nonzero over the whole [R, V] bitmask."""
+    bits = np.unpackbits(packed_mask, axis=1, count=vocab_size, bitorder="little")  # [R, V] uint8
+    rows, cols = np.nonzero(bits)
+    offsets = np.zeros(packed_mask.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=packed_mask.shape[0]), out=offsets[1:])
+    return SamplingMaskLists(cols.astype(np.int32), offsets, None)
 
 
 def make_logits(num_reqs: int, vocab_size: int, k: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -129,7 +147,6 @@ def bench_case(num_reqs: int, k: int, vocab_size: int, device: torch.device, ite
         "compact_gpu_ms": gpu_ms(compact_step, device, iters),
         "compact_kernel_ms": gpu_ms(lambda: SamplingMaskTensors.from_logits(logits, num_sampled, k), device,
                                     iters),
-        "row_kernel_ms": gpu_ms(lambda: compact_sampling_mask(logits, num_sampled, k, impl="row"), device, iters),
         "compact_host_ms": host_ms(copy.tolists, iters),
         "compact_bytes": compact_bytes,
         "legacy_gpu_ms": gpu_ms(legacy_step, device, iters),
@@ -145,7 +162,6 @@ def bench_case(num_reqs: int, k: int, vocab_size: int, device: torch.device, ite
 
 COLUMNS = [("num_reqs", "reqs", "{}"), ("k", "k", "{}"), ("mean_support", "mean |S|", "{:.1f}"),
            ("compact_gpu_ms", "compact GPU ms", "{:.3f}"), ("compact_kernel_ms", "kernel ms", "{:.3f}"),
-           ("row_kernel_ms", "row-kernel ms", "{:.3f}"),
            ("read_floor_ms", "read floor ms", "{:.3f}"), ("kernel_graph_ms", "kernel dev ms", "{:.3f}"),
            ("floor_graph_ms", "floor dev ms", "{:.3f}"), ("nominal_floor_ms", "nominal floor ms", "{:.3f}"),
            ("compact_host_ms", "tolists ms", "{:.3f}"), ("compact_bytes", "compact bytes", "{}"),

@@ -47,13 +47,16 @@ def test_script_on_the_tiny_checkpoint_matches_the_prefilter_kernels(tmp_path) -
     assert "| 64 |" in proc.stdout
     # The counts against the kernels': the prefilter's gathered count is what its select calls num_above; the
     # rows it does not flag as overflow must be those with count <= cap (here: cap = 2048 > V = 4096 / 2).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # NOTE: the kernels on the GPU where there is one, else interpreted (tests/conftest.py sets TRITON_INTERPRET
+    # without CUDA); never set here: left in the environment, it sent later tests' CPU tensors into compiled kernels.
     from vllm.v1.sample.ops.topk_select import select_top_k_candidates
 
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     logits = (torch.randn(6, 4096) * 3).to(torch.bfloat16).float()
     top_k = torch.tensor([8, 64, 64, 8, 300, 1], dtype=torch.int32)
-    got = select_top_k_candidates(logits, torch.ones(6), top_k, 380, use_triton=True)
+    got = select_top_k_candidates(logits.to(device), torch.ones(6, device=device), top_k.to(device), 380,
+                                  use_triton=True)
     for r, k in enumerate(top_k.tolist()):
         gathered = int(po.gathered_counts(logits[r:r + 1], 1.0, k))
         kth = float(got.kth[r])

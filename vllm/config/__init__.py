@@ -55,7 +55,8 @@ class VllmConfig:
         self.model_config.dtype = self.dtype  # NOTE: resolved, as vLLM's worker extensions read it
         assert self.model_config.max_model_len is not None
         self.scheduler_config.max_model_len = self.model_config.max_model_len
-        check_tensor_parallel(self.parallel_config, self.model_config.hf_config, self.device_config.device)
+        self.model_config.verify_with_parallel_config(self.parallel_config)
+        check_tensor_parallel(self.parallel_config, self.device_config.device)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda"
         if self.model_config.return_sampling_mask:

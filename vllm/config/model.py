@@ -173,8 +173,40 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
+        """The model's KV heads (all ranks together)."""
         cfg = self.hf_config
         return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    def get_num_kv_heads(self, parallel_config: Any) -> int:
+        """KV heads on one tensor-parallel rank (what its KV cache holds): at least one, replicated when the
+        model has fewer KV heads than ranks (vLLM's rule)."""
+        return max(1, self.num_kv_heads // parallel_config.tensor_parallel_size)
+
+    def get_num_attention_heads(self, parallel_config: Any) -> int:
+        """Query heads on one tensor-parallel rank."""
+        return int(self.hf_config.num_attention_heads) // parallel_config.tensor_parallel_size
+
+    def verify_with_parallel_config(self, parallel_config: Any) -> None:
+        """ValueError when the model cannot be split over tensor_parallel_size ranks: the query heads, the KV heads
+        (or the ranks over them), the MLP's intermediate size and the vocabulary padded to 64 must divide."""
+        tp = int(parallel_config.tensor_parallel_size)
+        if tp == 1:
+            return
+        cfg = self.hf_config
+        num_heads, num_kv_heads = int(cfg.num_attention_heads), self.num_kv_heads
+        problems = []
+        if num_heads % tp:
+            problems.append(f"num_attention_heads={num_heads} is not divisible by it")
+        if (num_kv_heads % tp) if num_kv_heads >= tp else (tp % num_kv_heads):
+            problems.append(f"num_key_value_heads={num_kv_heads} neither divides it nor is a multiple of it")
+        intermediate = int(getattr(cfg, "intermediate_size", 0) or 0)
+        if intermediate % tp:
+            problems.append(f"intermediate_size={intermediate} is not divisible by it")
+        padded_vocab = -(-self.vocab_size // 64) * 64
+        if padded_vocab % tp:
+            problems.append(f"the vocabulary padded to a multiple of 64 ({padded_vocab}) is not divisible by it")
+        if problems:
+            raise ValueError(f"tensor_parallel_size={tp} cannot split {self.name}: " + "; ".join(problems) + ".")
 
     @property
     def head_size(self) -> int:

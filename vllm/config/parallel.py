@@ -19,7 +19,8 @@ class ParallelConfig:
     """Number of tensor-parallel ranks: one worker per rank (docs/parallelism.md); it must divide the model's
     attention heads."""
     enable_batch_sharded_sampling: bool = False
-    """Shard the sampler's batch over tensor-parallel ranks and gather the sampled tokens."""
+    """Accepted for vLLM compatibility at tensor_parallel_size 1 (no effect there); refused with more ranks: the
+    logits are gathered to every rank and one sampler step runs on the whole batch (docs/parallelism.md)."""
     pipeline_parallel_size: int = 1
     """Number of pipeline stages; only 1 (no pipeline parallelism)."""
     distributed_executor_backend: str | None = None
@@ -45,6 +46,10 @@ class ParallelConfig:
         if self.enable_expert_parallel:
             raise ValueError("enable_expert_parallel=True is not supported: this engine has no expert parallelism; "
                              "use enable_expert_parallel=False (--no-enable-expert-parallel).")
+        if self.enable_batch_sharded_sampling and self.tensor_parallel_size > 1:
+            raise ValueError("enable_batch_sharded_sampling=True is not supported with tensor_parallel_size > 1: the "
+                             "logits are gathered to every rank and sampled once for the whole batch "
+                             "(docs/parallelism.md); drop --enable-batch-sharded-sampling.")
 
     @property
     def world_size(self) -> int:
@@ -65,16 +70,12 @@ class ParallelConfig:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
 
 
-def check_tensor_parallel(parallel_config: ParallelConfig, hf_config: Any, device: str) -> None:
-    """tensor_parallel_size against the model (it must divide the attention heads) and the devices (one CUDA
-    device per rank on this node, unless Ray places the ranks; rank r runs on cuda:r, so no index is given)."""
+def check_tensor_parallel(parallel_config: ParallelConfig, device: str) -> None:
+    """tensor_parallel_size against the devices (one CUDA device per rank on this node, unless Ray places the
+    ranks; rank r runs on cuda:r, so no index is given). The model's side: ModelConfig.verify_with_parallel_config."""
     tp = parallel_config.tensor_parallel_size
     if tp == 1:
         return
-    num_heads = int(hf_config.num_attention_heads)
-    if num_heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {num_heads} attention heads; use "
-                         "a divisor of the head count.")
     if device.startswith("cuda:"):
         raise ValueError(f"device={device!r} names one device, but tensor_parallel_size={tp} puts rank r on cuda:r; "
                          "use device=cuda (and CUDA_VISIBLE_DEVICES to choose the devices).")

@@ -2,7 +2,7 @@
 staging slots (HostStagingSlot) that either copy their contents out or lend them as numpy views.
 
 Used by the async output copier (vllm/v1/worker/async_output.py) for every output of a step, and by the sampling
-masks' copies (vllm/v1/sample/sampling_mask.py and the pre-change path in legacy_mask.py).
+masks' copies (vllm/v1/sample/sampling_mask.py).
 """
 
 from __future__ import annotations

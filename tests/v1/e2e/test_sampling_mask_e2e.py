@@ -104,19 +104,3 @@ def test_startup_validation() -> None:
     with pytest.raises(ValueError, match="batch_sharded"):
         LLM(device="cpu", return_sampling_mask=True, logprobs_mode="processed_logprobs",
             enable_batch_sharded_sampling=True)
-
-
-def test_legacy_path_gives_the_same_masks(llm: LLM) -> None:
-    """The pre-change mask path (the benchmarks' hook: Sampler(legacy_sampling_mask=True)) gives the same masks."""
-    from vllm.v1.sample.sampler import Sampler
-
-    params = SamplingParams(temperature=1.0, top_k=6, top_p=0.9, max_tokens=6, ignore_eos=True, seed=5)
-    compact = llm.generate(PROMPTS[:3], params, use_tqdm=False)
-    legacy_llm = LLM(device="cpu", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=16,
-                     logprobs_mode="processed_logprobs", return_sampling_mask=True)
-    runner = legacy_llm.llm_engine.engine_core.engine_core.worker.model_runner
-    runner.sampler = Sampler("processed_logprobs", legacy_sampling_mask=True)
-    legacy = legacy_llm.generate(PROMPTS[:3], params, use_tqdm=False)
-    for a, b in zip(compact, legacy):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].sampling_mask.token_ids == b.outputs[0].sampling_mask.token_ids

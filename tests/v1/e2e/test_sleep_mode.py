@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from rl_checkpoints import perturbed_weights, write_checkpoint
 
 from vllm import LLM, SamplingParams
@@ -85,6 +86,49 @@ def test_sleep_level_1_frees_both_regions_and_wakes_to_the_same_outputs(llm: LLM
     assert _outputs(llm) == before
 
 
+def test_host_backup_is_made_at_start_up_and_sleep_allocates_none(llm: LLM, before: list,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights' host backup exists once the engine is up (before any sleep), as large as the weights; a sleep
+    and a wake allocate no host buffer of that size (the old code allocated one per level-1 sleep) and leave the
+    backup where it was; it holds a byte-for-byte copy of the awake weights, which the wake restores."""
+    sleeper = _sleeper(llm)
+    backup = sleeper.host_backup
+    assert backup.device.type == "cpu" and backup.dtype == torch.uint8
+    assert backup.numel() == sleeper.weight_bytes > 0 and sleeper.host_holds is None
+    ptr = backup.data_ptr()
+    weights = sleeper.weights.flat.clone()  # the reference: a copy of the awake weights
+    large: list[tuple[int, ...]] = []
+    real_empty = torch.empty
+
+    def counting_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        if t.numel() * t.element_size() >= sleeper.weight_bytes // 2:
+            large.append(tuple(t.shape))
+        return t
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    for _ in range(2):
+        llm.sleep(level=1)
+        assert sleeper.host_holds == "weights" and sleeper.host_backup.data_ptr() == ptr
+        assert _resident(llm)["weights"] == 0
+        assert torch.equal(sleeper.host_backup, weights)
+        llm.wake_up()
+        assert sleeper.host_holds is None and torch.equal(sleeper.weights.flat, weights)
+    # Level 2: only the model's buffers (rotary tables) are kept, at their offsets in the backup.
+    sleeper.host_backup.fill_(0)
+    llm.sleep(level=2)
+    assert sleeper.host_holds == "buffers" and sleeper.host_backup.data_ptr() == ptr
+    spans = sleeper._buffer_spans
+    assert spans and all(torch.equal(sleeper.host_backup[o:o + n], weights[o:o + n]) for o, n in spans)
+    llm.wake_up(tags=["weights"])
+    assert all(torch.equal(sleeper.weights.flat[o:o + n], weights[o:o + n]) for o, n in spans)
+    sleeper.weights.flat.copy_(weights)  # stands in for the weight update a level-2 wake expects
+    llm.wake_up(tags=["kv_cache"])
+    monkeypatch.undo()
+    assert large == []
+    assert _outputs(llm) == before
+
+
 def test_sleep_level_2_update_from_disk_then_kv_cache_equals_a_fresh_engine(llm: LLM, before: list,
                                                                             new_checkpoint: Path) -> None:
     llm.sleep(level=2)
@@ -104,7 +148,7 @@ def test_sleep_level_2_update_from_disk_then_kv_cache_equals_a_fresh_engine(llm:
     # Back to the bundled weights through a level-1 sleep deepened to level 2 (the host copy dropped).
     llm.sleep(level=1)
     llm.sleep(level=2)
-    assert _sleeper(llm)._weights_copy is None
+    assert _sleeper(llm).host_holds == "buffers"  # the weights dropped, the buffers kept
     llm.wake_up()
     from vllm.config.model import default_model_path
     llm.start_weight_update()

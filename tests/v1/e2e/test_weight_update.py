@@ -207,5 +207,7 @@ def test_framework_style_extension_loads_through_vllm_names(tmp_path: Path, expe
     llm = LLM(**ENGINE, worker_extension_cls="rl_worker_ext.FrameworkStyleExtension")
     assert isinstance(llm.llm_engine.engine_core.engine_core.worker, Worker)
     folder = write_checkpoint(tmp_path / "single", perturbed_weights())
-    assert llm.collective_rpc("fw_load_checkpoint", args=(str(folder),)) == ["cpu"]
+    # current_platform is the machine's (as in vLLM), not the engine's device: "cuda" on a GPU machine.
+    platform = "cuda" if torch.cuda.is_available() else "cpu"
+    assert llm.collective_rpc("fw_load_checkpoint", args=(str(folder),)) == [platform]
     assert _outputs(llm) == expected["new"]

@@ -1,5 +1,6 @@
-"""The chunked compaction kernel against an independent numpy reference (and the same layout as the
-one-program-per-row kernel): ids, full counts and the little-bit-order bitmask, across chunk boundaries."""
+"""The chunked compaction kernel (compiled on CUDA, interpreted on CPU) and its torch code (the CPU engine's path)
+against an independent numpy reference, and against each other: ids, full counts and the little-bit-order bitmask,
+across chunk boundaries."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.v1.sample.ops.mask_compaction import CHUNK, compact_sampling_mask_chunked
+from vllm.v1.sample.ops.mask_compaction import CHUNK, compact_sampling_mask_chunked, compact_sampling_mask_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,13 +37,20 @@ def test_chunked_compaction_matches_reference(vocab: int, k: int) -> None:
     check_against_reference(vocab, k, {})
 
 
+@pytest.mark.parametrize("vocab", [2 * CHUNK + 123, 100])
+@pytest.mark.parametrize("k", [1, 300])
+def test_torch_code_matches_reference(vocab: int, k: int) -> None:
+    check_against_reference(vocab, k, None)
+
+
 @pytest.mark.parametrize("tiling", TILINGS[1:])
 def test_every_tiling_matches_reference(tiling: tuple[int, int]) -> None:
     chunk, num_warps = tiling
     check_against_reference(2 * CHUNK + 123, 7, {"chunk": chunk, "num_warps": num_warps})
 
 
-def check_against_reference(vocab: int, k: int, tiling: dict) -> None:
+def check_against_reference(vocab: int, k: int, tiling: dict | None) -> None:
+    """The kernel with `tiling` (keyword arguments), or the torch code with None, against numpy."""
     sizes = [min(s, vocab - 2) for s in (0, 1, 7, max(k - 1, 0), k, k + 1, 2 * k + 50, vocab)]
     logits = make_logits(len(sizes), vocab, sizes, seed=vocab + k)
     num_sampled = torch.ones(len(sizes), dtype=torch.int32)
@@ -50,7 +58,11 @@ def check_against_reference(vocab: int, k: int, tiling: dict) -> None:
     token_ids = torch.full((len(sizes), k), -1, dtype=torch.int32, device=DEVICE)
     packed = torch.empty((len(sizes), (vocab + 7) // 8), dtype=torch.uint8, device=DEVICE)
     counts = torch.empty(len(sizes), dtype=torch.int32, device=DEVICE)
-    compact_sampling_mask_chunked(logits.to(DEVICE), num_sampled.to(DEVICE), token_ids, packed, counts, **tiling)
+    if tiling is None:
+        compact_sampling_mask_torch(logits.to(DEVICE), num_sampled.to(DEVICE), token_ids, packed, counts)
+    else:
+        compact_sampling_mask_chunked(logits.to(DEVICE), num_sampled.to(DEVICE), token_ids, packed, counts,
+                                      **tiling)
 
     keep = np.isfinite(logits.numpy()) & (num_sampled.numpy() > 0)[:, None]
     np.testing.assert_array_equal(packed.cpu().numpy(), np.packbits(keep, axis=1, bitorder="little"))
@@ -61,20 +73,34 @@ def check_against_reference(vocab: int, k: int, tiling: dict) -> None:
         np.testing.assert_array_equal(ids[r, :len(expected)], expected)
 
 
-def test_row_and_chunked_impls_agree() -> None:
-    from vllm.v1.sample.sampling_mask import compact_sampling_mask
+def test_kernel_matches_torch_code() -> None:
+    """compact_sampling_mask (the chunked kernels here: interpreted on CPU, compiled on CUDA) == the torch code
+    the CPU engine runs, on rows that sample nothing, fit K, overflow K and keep the whole vocabulary; and both
+    give the same host lists."""
+    import triton
 
-    vocab = CHUNK + 517
+    from vllm.v1.sample.sampling_mask import SamplingMaskTensors, compact_sampling_mask
+
+    vocab, k = CHUNK + 517, 40
     sizes = [0, 3, 40, 41, 500, vocab]
-    logits = make_logits(len(sizes), vocab, [min(s, vocab - 2) for s in sizes], seed=1).to(DEVICE)
-    num_sampled = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.int32, device=DEVICE)
-    row = compact_sampling_mask(logits, num_sampled, 40, impl="row")
-    chunked = compact_sampling_mask(logits, num_sampled, 40, impl="chunked")
-    assert torch.equal(row.counts, chunked.counts)
-    assert torch.equal(row.packed_mask, chunked.packed_mask)
-    for r, n in enumerate(row.counts.tolist()):
-        assert torch.equal(row.token_ids[r, :min(n, 40)], chunked.token_ids[r, :min(n, 40)])
-    assert row.tolists().token_ids.tolist() == chunked.tolists().token_ids.tolist()
+    logits = make_logits(len(sizes), vocab, [min(s, vocab - 2) for s in sizes], seed=1)
+    num_sampled = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.int32)
+    assert logits.device.type == "cpu"
+    if DEVICE == "cpu":
+        assert triton.knobs.runtime.interpret  # tests/conftest.py: the kernels run interpreted
+    kernel = compact_sampling_mask(logits.to(DEVICE), num_sampled.to(DEVICE), k)
+    kernel = SamplingMaskTensors(*(t.cpu() for t in kernel[:3]), kernel.vocab_size)
+    token_ids = torch.full((len(sizes), k), -1, dtype=torch.int32)
+    packed = torch.empty((len(sizes), (vocab + 7) // 8), dtype=torch.uint8)
+    counts = torch.empty(len(sizes), dtype=torch.int32)
+    compact_sampling_mask_torch(logits, num_sampled, token_ids, packed, counts)
+    assert counts.tolist() == [0, 3, 0, 41, 500, vocab - 2]
+    assert torch.equal(kernel.counts, counts)
+    assert torch.equal(kernel.packed_mask, packed)
+    for r, n in enumerate(counts.tolist()):
+        assert torch.equal(kernel.token_ids[r, :min(n, k)], token_ids[r, :min(n, k)])
+    torch_mask = SamplingMaskTensors(token_ids, packed, counts, vocab)
+    assert kernel.tolists().token_ids.tolist() == torch_mask.tolists().token_ids.tolist()
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])

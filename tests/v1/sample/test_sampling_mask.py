@@ -9,7 +9,6 @@ import triton
 
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
-from vllm.v1.sample.legacy_mask import legacy_sampling_mask_lists
 from vllm.v1.sample.sampling_mask import MAX_COMPACT_SUPPORT, SamplingMaskTensors
 
 V = 4500
@@ -66,9 +65,6 @@ def test_kernel_matches_reference_for_every_support_size(max_num_kept: int) -> N
     want = reference_supports(logits, num_sampled)
     assert len(want[-1]) == 0 and len(want[1]) == 1
     check_mask(mask, want, num_kept)
-    legacy = legacy_sampling_mask_lists(logits, torch.from_numpy(num_sampled))
-    lists = mask.tolists()
-    assert np.array_equal(legacy.token_ids, lists.token_ids) and np.array_equal(legacy.offsets, lists.offsets)
 
 
 def test_odd_vocab_strided_logits_and_copy_roundtrip() -> None:
@@ -123,8 +119,6 @@ def test_mask_of_real_sampler_keeps_top_k_tie_through_bitmask(use_fast_path: boo
     assert got[2] == []
     for r in (0, 1):
         assert int(out.sampled_token_ids[r]) in got[r]
-    legacy = legacy_sampling_mask_lists(processed, md.sampling_mask_rows)
-    assert np.array_equal(legacy.token_ids, lists.token_ids) and np.array_equal(legacy.offsets, lists.offsets)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -83,6 +83,23 @@ def test_region_keeps_its_address_and_a_graph_over_it_replays_after_restore() ->
     region.restore()
 
 
+def test_pinned_host_buffer_is_exact_pinned_and_round_trips() -> None:
+    """Sleep mode's host backup: page-locked (torch sees it pinned), exactly the size asked (not a power of two),
+    and an asynchronous copy there and back gives the bytes written."""
+    from vllm.device_allocator.cumem import pinned_host_buffer
+    device = torch.device("cuda", torch.cuda.current_device())
+    nbytes = (3 << 20) + 12345
+    host = pinned_host_buffer(nbytes, device)
+    assert host.device.type == "cpu" and host.dtype == torch.uint8 and host.numel() == nbytes
+    assert host.is_pinned()
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    host.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    assert torch.equal(back, src) and torch.equal(host, src.cpu())
+
+
 def test_sleep_frees_memory_and_wake_replays_the_same_graphs(tmp_path: Path) -> None:
     llm = LLM(enable_sleep_mode=True, gpu_memory_utilization=0.5, max_model_len=512, max_num_seqs=16,
               return_sampling_mask=True, logprobs_mode="processed_logprobs", weight_transfer_config={"backend": "disk"})
@@ -95,6 +112,10 @@ def test_sleep_frees_memory_and_wake_replays_the_same_graphs(tmp_path: Path) -> 
     kv = [t.data_ptr() for t in runner.kv_caches]
     held = worker.sleeper.weights.nbytes + worker.sleeper.kv_cache.nbytes
     device = worker.device
+    # The weights' pinned host backup exists from start-up; sleeps copy into it and never replace it.
+    backup = worker.sleeper.host_backup
+    assert backup.is_pinned() and backup.numel() == worker.sleeper.weight_bytes
+    backup_ptr = backup.data_ptr()
 
     torch.cuda.synchronize(device)
     free_awake = torch.cuda.mem_get_info(device)[0]
@@ -110,6 +131,7 @@ def test_sleep_frees_memory_and_wake_replays_the_same_graphs(tmp_path: Path) -> 
     assert [t.data_ptr() for t in runner.kv_caches] == kv
     assert _outputs(llm) == before
     assert _graphs(runner) == graphs  # the same graph objects: nothing was re-captured
+    assert worker.sleeper.host_backup.data_ptr() == backup_ptr
 
     # Level 2: weights discarded, a checkpoint loaded while the KV cache still sleeps, then the cache.
     ckpt = write_checkpoint(tmp_path / "new", perturbed_weights())

@@ -4,6 +4,11 @@ load_format "auto"/"safetensors" reads model.safetensors, or every shard named b
 and hands the tensors to the model's `load_weights`; every parameter must end up loaded, else ValueError.
 "dummy" needs only config.json: every weight uniform in [-1e-3, 1e-3] from a generator seeded with the
 config's seed (so two loads are identical) and every RMSNorm weight 1, so activations stay well scaled.
+
+Under tensor parallelism each rank builds only its shard of every layer (the layers read the group), and the
+loaders cut its part from the whole checkpoint tensors. Dummy weights are drawn whole (the one-rank shape, in
+the same order) and cut the same way, so the shards of a TP=N dummy model are the slices of the TP=1 dummy model
+(each rank draws every tensor whole once: the cost of one full random init, and one tensor at a time in memory).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from safetensors import safe_open
 from torch import nn
 
 from vllm.config.model import ModelConfig
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.registry import get_model_class
+from vllm.model_executor.utils import full_shape, load_full_parameter
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +72,7 @@ def initialize_dummy_weights(model: nn.Module, seed: int, low: float = -DUMMY_WE
                              high: float = DUMMY_WEIGHT_RANGE) -> None:
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     generators: dict[torch.device, torch.Generator] = {}
+    whole = get_tensor_model_parallel_world_size() == 1
     for _, param in model.named_parameters():
         if id(param) in norm_weights:
             param.fill_(1.0)
@@ -72,8 +80,13 @@ def initialize_dummy_weights(model: nn.Module, seed: int, low: float = -DUMMY_WE
         generator = generators.get(param.device)
         if generator is None:
             generator = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        if param.dtype.is_floating_point:
+        if not param.dtype.is_floating_point:
+            continue
+        if whole:
             param.uniform_(low, high, generator=generator)
+        else:
+            full = torch.empty(full_shape(param), dtype=param.dtype, device=param.device)
+            load_full_parameter(param, full.uniform_(low, high, generator=generator))
 
 
 @torch.no_grad()

@@ -5,6 +5,12 @@ has q/k/v biases), `o_bias`, and `qk_norm` (Qwen3 RMS-normalizes every query and
 Checkpoint names are Hugging Face's; `load_weights` maps q/k/v_proj onto the fused qkv_proj and gate/up_proj
 onto gate_up_proj through each parameter's weight_loader. Attention reads its metadata and KV cache from the
 forward context, so `forward` takes only token ids and positions (flat: [num_tokens]).
+
+Under tensor parallelism (the group of vllm/distributed/parallel_state.py, read when the model is built) each rank
+holds num_attention_heads / tp query heads and max(1, num_key_value_heads / tp) KV heads (qkv_proj's layout),
+intermediate_size / tp MLP rows and its vocabulary slice; o_proj and down_proj sum over the group, q/k norms
+(per head) and the other norms are replicated. The weight loaders cut each rank's shard from the full checkpoint
+tensors, and `compute_logits` returns the whole [n, vocab_size] logits on every rank.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from torch import nn
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.utils import default_weight_loader
+from vllm.model_executor.utils import checkpoint_shard_shape, default_weight_loader
 from vllm.v1.attention.layer import Attention
 
 
@@ -45,17 +52,21 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
-                             f"{self.num_kv_heads}")
+        self.total_num_heads = int(config.num_attention_heads)
+        self.total_num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.total_num_heads)
+        if self.total_num_heads % self.total_num_kv_heads != 0:
+            raise ValueError(f"num_attention_heads {self.total_num_heads} is not a multiple of num_key_value_heads "
+                             f"{self.total_num_kv_heads}")
         self.head_dim = _head_dim(config)
+        hidden_size = int(config.hidden_size)
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads,
+                                          bias=qkv_bias)
+        # This rank's heads: num_attention_heads / tp queries, max(1, num_key_value_heads / tp) keys and values.
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        hidden_size = int(config.hidden_size)
-        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -135,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias, qk_norm = self._attention_switches(hf_config)
         self.model = LlamaModel(hf_config, qkv_bias, o_bias, qk_norm)
         self.lm_head = ParallelLMHead(int(hf_config.vocab_size), int(hf_config.hidden_size))
+        self.logits_processor = LogitsProcessor(int(hf_config.vocab_size))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -150,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        return self.lm_head(hidden_states)
+        """The whole vocabulary's logits on every rank (a collective under tensor parallelism)."""
+        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face named tensors; returns the names of the parameters that are now fully loaded."""
@@ -190,16 +203,13 @@ class LlamaForCausalLM(nn.Module):
         return name, self._param(params, name, name), None
 
     def checkpoint_weight_shape(self, name: str) -> tuple[int, ...] | None:
-        """The shape the checkpoint tensor `name` must have (None: a tensor the model skips); ValueError for a
-        name that matches no parameter."""
+        """The shape the checkpoint tensor `name` must have, the whole tensor's whatever the rank's shard (None:
+        a tensor the model skips); ValueError for a name that matches no parameter."""
         route = self.route_checkpoint_weight(name)
         if route is None:
             return None
         _, param, shard_id = route
-        if shard_id is None:
-            return tuple(param.shape)
-        _, size = param.weight_loader.__self__.shard_offsets[shard_id]  # type: ignore[attr-defined]
-        return (size, *param.shape[1:])
+        return checkpoint_shard_shape(param, shard_id)
 
     def _params_by_name(self) -> dict[str, nn.Parameter]:
         params = self.__dict__.get("_params_cache")

@@ -103,6 +103,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     step_masks: Any = None
     # The weight version (EngineCore.weight_version) of the weights that computed this step's tokens.
     weight_version: str | None = None
+    # Sleep mode's news for every API server (vllm/v1/engine/sleep_mode.py): with no outputs, the engine core's
+    # sleep state changed to this; True with outputs, these are requests refused because the engine sleeps.
+    # None: no news.
+    sleeping: bool | None = None
 
     def resolve_step_rows(self) -> None:
         """Build deferred sampling masks now (a PendingStepMasks in step_masks) and

@@ -28,7 +28,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
 from vllm.utils import refuse_stat_loggers, unwrap_info
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.engine.core_client import AsyncMPClient, EngineCoreHandle, EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_collector import RequestOutputCollector
@@ -143,10 +143,18 @@ class AsyncLLM:
         self.request_stats = RequestStatsTracker()
         self.output_handler: asyncio.Task | None = None
         self._background_tasks: set[asyncio.Task] = set()
-        # What this frontend last learnt of sleep mode (its own sleep / wake_up / is_sleeping calls): new
-        # requests are refused while true. NOTE: another API server's sleep call is not seen here; the engine
-        # core then ends such requests at once (finish_reason "abort").
+        # What this frontend last learnt of sleep mode (its own sleep / wake_up / is_sleeping calls, and the
+        # engine core's news of its state, EngineCoreOutputs.sleeping, also of another API server's calls): new
+        # requests are refused while true, and so is one the core refused because it sleeps.
         self.sleeping = False
+        # NOTE: as vLLM's: made inside an event loop (the API server), the output loop starts now, so this frontend
+        # hears the core's news (sleep mode) before its first request; elsewhere with the first request or call.
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            self._ensure_output_handler()
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig, start_engine_loop: bool = True, usage_context: Any = None,
@@ -196,7 +204,7 @@ class AsyncLLM:
         other than 0) or EngineDeadError."""
         await self.check_health()
         if self.sleeping:
-            raise EngineSleepingError("The engine is asleep (sleep mode): call wake_up before sending requests.")
+            raise EngineSleepingError()
         request, prompt_text = self.input_processor.process_inputs(request_id, prompt, params, time.time(),
                                                                    lora_request=lora_request, priority=priority)
         if self.log_requests:
@@ -394,6 +402,10 @@ class AsyncLLM:
             self.engine_core.dead_error = EngineDeadError(f"The output handler failed: {e!r}")
 
     async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.sleeping is not None:
+            self.sleeping = outputs.sleeping
+            if outputs.sleeping and outputs.outputs:
+                await self.engine_core.abort_requests_async(self._fail_refused(outputs.outputs))
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.weight_version)
         if processed.reqs_to_abort:
             await self.engine_core.abort_requests_async(processed.reqs_to_abort)
@@ -401,6 +413,25 @@ class AsyncLLM:
             self.stat_logger.record_iteration(self.request_stats.update(outputs.outputs, processed.reqs_to_abort))
             if outputs.scheduler_stats is not None:
                 self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+
+    def _fail_refused(self, refused: list[EngineCoreOutput]) -> list[str]:
+        """Requests the engine core refused because it sleeps (another API server put it to sleep before this one
+        learnt of it): each fails with EngineSleepingError, as this server's own refusal does (HTTP 503), and is
+        forgotten; returns the ids of their n > 1 siblings still in the core, to abort there."""
+        states, parents = self.output_processor.request_states, self.output_processor.parent_requests
+        error = EngineSleepingError()
+        siblings: list[str] = []
+        for output in refused:
+            state = states.pop(output.request_id, None)
+            if state is None:
+                continue
+            if state.parent is not None and parents.pop(state.parent.request_id, None) is not None:
+                for child_id in state.parent.child_request_ids:
+                    if states.pop(child_id, None) is not None:
+                        siblings.append(child_id)
+            if state.queue is not None:
+                state.queue.put_nowait(error)
+        return siblings
 
     def _fail_all(self, error: BaseException) -> None:
         self.engine_core.fail_calls(error)

@@ -138,11 +138,11 @@ class EngineCoreProc:
                     share[name] = text_shares[client] if text_shares is not None else \
                         step_rows.select(order[s:e], row_slot[order[s:e]])
         for client, group in enumerate(groups):
-            if group or finished[client] or outputs.scheduler_stats is not None:
+            if group or finished[client] or outputs.scheduler_stats is not None or outputs.sleeping is not None:
                 self.send(OUTPUTS, EngineCoreOutputs(outputs=group, scheduler_stats=outputs.scheduler_stats,
                                                      finished_requests=finished[client] or None,
                                                      weight_version=outputs.weight_version,
-                                                     **shares[client]), client)
+                                                     sleeping=outputs.sleeping, **shares[client]), client)
 
     def _owner(self, req_id: str, done: bool) -> int:
         """The client of `req_id`'s outputs; forgotten once `done`."""
@@ -183,6 +183,7 @@ class EngineCoreProc:
         except Exception:
             logger.warning("A malformed engine-core utility call was dropped.")
             return False
+        was_sleeping = self._sleeping()
         try:
             method, args, kwargs = pickle.loads(frames[2])
             if method == "shutdown":
@@ -196,11 +197,18 @@ class EngineCoreProc:
         except Exception as e:  # NOTE: a failed call is its caller's error, never the core's
             logger.warning("Engine-core utility call failed: %s: %s", type(e).__name__, e)
             result = _failed(e)
+        if len(self.output_sockets) > 1 and self._sleeping() != was_sleeping:
+            # NOTE: sleep mode's news to every API server (sleep_mode.py), before the call's result.
+            self.engine_core.pending_outputs.append(EngineCoreOutputs(sleeping=not was_sleeping))
         # NOTE: every result waits in deferred_calls (answered by the loop after the outputs before it).
         if not isinstance(result, Deferred):
             result = _done(result)
         self.deferred_calls = (*self.deferred_calls, (client, call_id, result))
         return True
+
+    def _sleeping(self) -> bool:
+        is_sleeping = getattr(self.engine_core, "is_sleeping", None)
+        return bool(is_sleeping()) if is_sleeping is not None else False
 
     def _send_result(self, client: int, call_id: int, deferred: Deferred) -> None:
         # NOTE: the outputs the call produced go first, so the caller has them when its result arrives.

@@ -15,8 +15,14 @@ Invariants:
 - While sleeping nothing is scheduled (`sleep_halted`, part of EngineCore._set_halt); scheduling resumes only
   once every tag is awake (as vLLM: a partial wake keeps the engine asleep).
 - A request added while sleeping (from `sleep` on, also while "wait" lets the others finish) is not run: it
-  ends at once with finish_reason "abort" (the frontends refuse it before that: AsyncLLM with
-  EngineSleepingError, HTTP 503; LLM.generate with a ValueError).
+  ends at once with finish_reason "abort", in an EngineCoreOutputs marked `sleeping=True` (the frontends refuse
+  it before that: AsyncLLM with EngineSleepingError, HTTP 503; LLM.generate with a ValueError). An API server
+  that had not learnt of the sleep yet (another one of `--api-server-count N` called it) turns that refusal into
+  the same EngineSleepingError.
+- With several API servers, every change of the sleep state a call made (asleep from `sleep` on; awake once every
+  tag is) goes out as an EngineCoreOutputs with no outputs and `sleeping` set, to every server
+  (vllm/v1/engine/core_proc.py), so each refuses new requests itself while the engine sleeps and accepts them
+  again once it is awake, whichever server made the calls.
 - Sleeping again (any level) or waking an awake tag is harmless; sleeping at 2 after 1 drops the host copy.
 - `collective_rpc("sleep" | "wake_up", ...)` (verl's hybrid engine calls the worker's methods so) comes here.
 """
@@ -39,6 +45,10 @@ SLEEP_UTILITY_METHODS = frozenset({"sleep", "wake_up", "is_sleeping"})
 
 class EngineSleepingError(RuntimeError):
     """A request sent while the engine sleeps (HTTP 503): wake it up first."""
+
+    def __init__(self, message: str = "The engine is asleep (sleep mode): call wake_up before sending requests."
+                 ) -> None:
+        super().__init__(message)
 
 
 def _check_sleep_args(level: object, mode: object, modes: tuple[str, ...]) -> None:
@@ -122,7 +132,7 @@ class EngineSleepMixin:
         if self.sleep_level is None:
             return False
         self.pending_outputs.append(EngineCoreOutputs(
-            outputs=[EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)]))
+            outputs=[EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT)], sleeping=True))
         return True
 
     def _sleep_rpc(self: EngineCore, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -35,7 +35,6 @@ from vllm.v1.sample.ops.penalties import (apply_allowed, apply_bad_word_prefixes
                                           apply_sparse_bias, update_state)
 from vllm.v1.sample.ops.sample import random_sample
 from vllm.v1.sample.ops.topk_topp import SAMPLING_EPS, process_logits
-from vllm.v1.sample.legacy_mask import LegacySamplingMask
 from vllm.v1.sample.sampling_mask import SamplingMaskTensors
 
 
@@ -45,18 +44,15 @@ class SamplerOutput:
     # [num_reqs] int64
     sampled_token_ids: torch.Tensor
     logprobs_tensors: LogprobsTensors | None
-    sampling_mask: SamplingMaskTensors | LegacySamplingMask | None = None
+    sampling_mask: SamplingMaskTensors | None = None
 
 
 class Sampler(nn.Module):
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs", legacy_sampling_mask: bool = False,
-                 use_fast_path: bool = True) -> None:
+    def __init__(self, logprobs_mode: str = "raw_logprobs", use_fast_path: bool = True) -> None:
         super().__init__()
         # Benchmarks and tests only: False forces the general full-vocabulary path for every batch.
         self.use_fast_path = use_fast_path
-        # Benchmarks only: produce the pre-change full bitmask instead of the compacted mask.
-        self.legacy_sampling_mask = legacy_sampling_mask
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
@@ -69,9 +65,9 @@ class Sampler(nn.Module):
         raw_mode = want_logprobs and self.logprobs_mode in ("raw_logprobs", "raw_logits")
         need_processed = not md.all_greedy or md.sampling_mask_rows is not None or (want_logprobs and not raw_mode)
         fast = need_processed and self._fast_path_ok(logits, md)
-        # NOTE: the fast path reads the logits in their own dtype (its top-k select and counting read move half
-        # the bytes of bf16) and converts only its candidates and its general-path rows; everything else works on
-        # a float32 copy of the whole batch.
+        # NOTE: the fast path reads the logits in their own dtype (its top-k select moves half the bytes of bf16)
+        # and converts only its candidates and its general-path rows; everything else works on a float32 copy of
+        # the whole batch.
         if not fast or raw_mode:
             logits = logits.to(torch.float32)  # [num_reqs, V]
         raw_values: torch.Tensor | None = None
@@ -117,15 +113,11 @@ class Sampler(nn.Module):
         sampling_mask = None
         if md.sampling_mask_rows is not None:
             assert processed is not None
-            if self.legacy_sampling_mask:
-                sampling_mask = LegacySamplingMask.from_logits(processed, md.sampling_mask_rows)
-            else:
-                sampling_mask = SamplingMaskTensors.from_logits(processed, md.sampling_mask_rows, md.max_top_k)
+            sampling_mask = SamplingMaskTensors.from_logits(processed, md.sampling_mask_rows, md.max_top_k)
         return SamplerOutput(sampled, logprobs_tensors, sampling_mask)
 
     def _fast_path_ok(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
-        legacy_mask = self.legacy_sampling_mask and md.sampling_mask_rows is not None
-        return self.use_fast_path and not legacy_mask and fast_path_applies(md, logits.shape[1])
+        return self.use_fast_path and fast_path_applies(md, logits.shape[1])
 
     @staticmethod
     def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The sampling mask: each row's support (ids whose processed logit is finite), compacted on the device.
 
-Role: `SamplingMaskTensors.from_logits` runs one Triton pass over the processed logits and produces, per row,
+Role: `SamplingMaskTensors.from_logits` makes one pass over the processed logits (the chunked Triton kernels of
+ops/mask_compaction.py; their torch code for CPU tensors outside the Triton interpreter) and produces, per row,
 the ascending support ids in a compact [num_reqs, K] buffer, the full support size, and a packed bitmask that
 is the exact fallback for rows whose support is larger than K. `tolists()` turns that into the step's
 `SamplingMaskLists` CSR on the host.
@@ -33,11 +34,6 @@ Host copy (`to_cpu_nonblocking`), which copies the bitmask only on steps where s
   for vocabularies with ids of more than MAX_DIGITS digits (`mask_ids_needed`): the device leaves rows with such
   ids to the host, which formats them from the ids.
 - On CPU tensors everything is already on the host: the copy is a no-op holding the same tensors.
-
-The pre-change path (vllm/v1/sample/legacy_mask.py: `legacy_pack_sampling_mask` + `legacy_unpack_sampling_mask`,
-or both in `legacy_sampling_mask_lists`) packs isfinite() on the device, copies the full bitmask and unpacks it with
-np.unpackbits + np.nonzero over [num_reqs, V] on the host; a Sampler built with
-`legacy_sampling_mask=True` runs it (a benchmark-only hook: benchmarks/kernels compare against it).
 """
 
 from __future__ import annotations
@@ -49,68 +45,24 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 from vllm.v1.cuda_events import host_event
 from vllm.v1.host_staging import HostStagingSlot, copy_stream, pinned_copy
 from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
-from vllm.v1.sample.legacy_mask import legacy_pack_sampling_mask
-from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked
+from vllm.v1.sample.ops.mask_compaction import compact_sampling_mask_chunked, compact_sampling_mask_torch
 from vllm.v1.sample.ops.mask_json import MAX_DIGITS, json_rows_packed, pack_rows
 
 MAX_COMPACT_SUPPORT = 2048
 
-_BLOCK_SIZE = 1024
 # NOTE: overflow-row gathers run on their own stream: the copy stream is made to wait for the *next* step's
 # compute (the next step's copies), and a gather for step N queued behind it would stall the output thread for a
 # whole step. The gather needs no wait: its step's `ready` event has already fired on the host.
 _gather_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-@triton.jit
-def _compact_sampling_mask_kernel(
-    logits_ptr,  # [num_reqs, V] float
-    logits_stride,
-    num_sampled_ptr,  # [num_reqs] int32
-    token_ids_ptr,  # [num_reqs, K] int32
-    token_ids_stride,
-    packed_mask_ptr,  # [num_reqs, ceil(V/8)] uint8
-    packed_mask_stride,
-    counts_ptr,  # [num_reqs] int32
-    vocab_size,
-    num_bytes,
-    max_num_kept,
-    BLOCK_SIZE: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    # NOTE: rows that sampled nothing read nothing: their valid range is empty.
-    num_valid = tl.where(tl.load(num_sampled_ptr + row) > 0, vocab_size, 0)
-    count = tl.zeros((), dtype=tl.int32)
-    for start in range(0, vocab_size, BLOCK_SIZE):
-        offs = start + tl.arange(0, BLOCK_SIZE)
-        valid = offs < num_valid
-        x = tl.load(logits_ptr + row * logits_stride + offs, mask=valid, other=float("inf")).to(tl.float32)
-        # NOTE: |x| < inf is false for +inf, -inf and NaN alike.
-        keep = tl.abs(x) < float("inf")
-        flags = keep.to(tl.int32)
-        slots = count + tl.cumsum(flags, 0) - flags
-        tl.store(token_ids_ptr + row * token_ids_stride + slots, offs.to(tl.int32),
-                 mask=keep & (slots < max_num_kept))
-        bits = tl.reshape(flags, (BLOCK_SIZE // 8, 8)) << tl.arange(0, 8)[None, :]
-        packed = tl.sum(bits, axis=1).to(tl.uint8)
-        byte_offs = start // 8 + tl.arange(0, BLOCK_SIZE // 8)
-        tl.store(packed_mask_ptr + row * packed_mask_stride + byte_offs, packed, mask=byte_offs < num_bytes)
-        count += tl.sum(flags, axis=0)
-    tl.store(counts_ptr + row, count)
-
-
-def compact_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor, max_num_kept: int,
-                          impl: str = "chunked") -> SamplingMaskTensors:
-    """One pass over `logits` ([num_reqs, V], unit stride on V) -> SamplingMaskTensors on logits' device.
-
-    impl "chunked" (default) spreads the pass over (row, chunk) programs (ops/mask_compaction.py); "row" runs
-    `_compact_sampling_mask_kernel`, one program per row. Both give identical outputs.
-    """
+def compact_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor, max_num_kept: int) -> SamplingMaskTensors:
+    """One pass over `logits` ([num_reqs, V]) -> SamplingMaskTensors on logits' device: the chunked kernels on CUDA
+    (and under the Triton interpreter), their torch code on CPU tensors otherwise (ops/mask_compaction.py)."""
     num_reqs, vocab_size = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -123,14 +75,10 @@ def compact_sampling_mask(logits: torch.Tensor, num_sampled: torch.Tensor, max_n
     counts = torch.empty((num_reqs,), dtype=torch.int32, device=device)  # [num_reqs]
     if num_reqs == 0:
         return SamplingMaskTensors(token_ids, packed_mask, counts, vocab_size)
-    if not logits.is_cuda and not triton.knobs.runtime.interpret:
-        _compact_sampling_mask_torch(logits, num_sampled, token_ids, packed_mask, counts)
-    elif impl == "chunked":
+    if logits.is_cuda or triton.knobs.runtime.interpret:
         compact_sampling_mask_chunked(logits, num_sampled, token_ids, packed_mask, counts)
     else:
-        _compact_sampling_mask_kernel[(num_reqs,)](
-            logits, logits.stride(0), num_sampled, token_ids, max(token_ids.stride(0), 1), packed_mask,
-            packed_mask.stride(0), counts, vocab_size, num_bytes, num_kept, BLOCK_SIZE=_BLOCK_SIZE)
+        compact_sampling_mask_torch(logits, num_sampled, token_ids, packed_mask, counts)
     return SamplingMaskTensors(token_ids, packed_mask, counts, vocab_size)
 
 
@@ -157,18 +105,6 @@ def merge_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, hit: to
     """dst[rows] = src (cast to dst's dtype) where `hit` ([n] bool), unchanged elsewhere; no host sync."""
     keep_new = hit.view(-1, *([1] * (src.dim() - 1)))
     dst[rows] = torch.where(keep_new, src.to(dst.dtype), dst[rows])
-
-
-def _compact_sampling_mask_torch(logits: torch.Tensor, num_sampled: torch.Tensor, token_ids: torch.Tensor,
-                                 packed_mask: torch.Tensor, counts: torch.Tensor) -> None:
-    # NOTE: for CPU tensors outside the Triton interpreter (the CPU engine); same outputs as the kernel.
-    keep = torch.isfinite(logits) & (num_sampled > 0)[:, None]  # [num_reqs, V] bool
-    counts.copy_(keep.sum(-1))
-    rows, cols = keep.nonzero(as_tuple=True)
-    slots = (keep.cumsum(-1, dtype=torch.int32) - 1)[rows, cols]
-    inside = slots < token_ids.shape[1]
-    token_ids[rows[inside], slots[inside]] = cols[inside].to(torch.int32)
-    packed_mask.copy_(legacy_pack_sampling_mask(logits, num_sampled))
 
 
 class SamplingMaskTensors(NamedTuple):

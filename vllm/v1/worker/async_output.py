@@ -124,7 +124,6 @@ class AsyncOutputCopier:
         elif sampling_mask is not None:
             mask_copy, lent = self._copy_mask(sampling_mask, None, None)
         deferred = None
-        # NOTE: not the pre-change path's copies (LegacySamplingMaskCopy): a benchmark arm, left as it was.
         if isinstance(mask_copy, SamplingMaskCopy) and self.defer_mask_lists and (lent is not None or slot is None):
             # NOTE: the output thread still waits for the mask's copies (a later step's sampler graph rewrites the
             # device buffers they read once the engine has this output), but leaves the lists and the slot.

@@ -78,7 +78,7 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.num_layers = mc.num_layers
         self.hidden_size = int(mc.hf_config.hidden_size)
-        self.num_kv_heads = mc.num_kv_heads
+        self.num_kv_heads = mc.get_num_kv_heads(vllm_config.parallel_config)  # this rank's (tensor parallel)
         self.head_size = mc.head_size
         self.return_sampling_mask = mc.return_sampling_mask
 
@@ -336,11 +336,9 @@ class ModelRunner:
         return result
 
     def _sampler_graphable(self, meta: SamplingMetadata, rows: int) -> bool:
-        """Whether this padded step's logits + sampler can run as a sampler graph: not for seeded rows, the
-        general path or the pre-change mask path, and only over a captured forward (or the tests' padded eager
-        forward)."""
-        legacy_mask = self.sampler.legacy_sampling_mask and meta.sampling_mask_rows is not None
-        if meta.generators or legacy_mask or not fast_path_applies(meta, self.vocab_size):
+        """Whether this padded step's logits + sampler can run as a sampler graph: not for seeded rows or the
+        general path, and only over a captured forward (or the tests' padded eager forward)."""
+        if meta.generators or not fast_path_applies(meta, self.vocab_size):
             return False
         return (self.use_cuda_graph and rows in self.cudagraphs.graphs) or self.pad_eager_decode
 

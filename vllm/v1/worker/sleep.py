@@ -9,18 +9,23 @@ in a second one (the "kv_cache" tag, one view per layer). On CUDA a region is a 
 captured CUDA graph stays valid); on other devices a `HostRegion`, whose storage is resized to 0 and back
 (`untyped_storage().resize_()`), so the views the model and the runner hold see the new memory.
 
-- `sleep(1)`: the weights are copied to (pinned, on CUDA) host memory, then both regions are released.
+- The weights' host backup (`host_backup`, [weight_bytes] uint8; on CUDA page-locked memory of exactly that
+  size, vllm/device_allocator/cumem.py) is allocated once, here, at start-up: a sleep then only copies, and the
+  first sleep is as fast as the later ones. The cost is host memory equal to the weights, held (pinned, on CUDA)
+  for the engine's life whether it ever sleeps or not (docs/serving.md, "Sleep mode").
+- `sleep(1)`: the weights are copied into the host backup, then both regions are released.
   `sleep(2)`: the weights are discarded (a weight update or reload follows); the model's buffers (rotary
-  tables, not in a checkpoint) are kept on the host, as vLLM does.
-- `wake_up(tags)`: the regions of `tags` (None: both) get memory again; the weights are copied back from their
-  host copy (level 1; or the buffers only, level 2: the parameters are then undefined until updated), the KV
+  tables, not in a checkpoint) are kept in the host backup at their offsets, as vLLM keeps them.
+- `wake_up(tags)`: the regions of `tags` (None: both) get memory again; the weights are copied back from the
+  host backup (level 1; or the buffers only, level 2: the parameters are then undefined until updated), the KV
   cache is zeroed (as a new cache is).
 
 Invariants:
 - Nothing reads or writes a released region: the engine core halts scheduling and drains the steps in flight
   before `sleep`, and resumes only once every tag is awake; weight updates refuse to run while the weights
   sleep (`check_awake`).
-- Sleeping or waking a tag twice is a no-op; a deeper sleep (2 after 1) drops the host copy of the weights.
+- Sleeping or waking a tag twice is a no-op; a deeper sleep (2 after 1) keeps only the buffers of the host copy.
+- Sleep and wake allocate no host memory: the host backup is the only host copy, and its address never changes.
 """
 
 from __future__ import annotations
@@ -82,6 +87,15 @@ def make_region(nbytes: int, device: torch.device) -> Region:
     return HostRegion(nbytes, device)
 
 
+def make_host_backup(nbytes: int, device: torch.device) -> torch.Tensor:
+    """[nbytes] uint8 on the host for the weights of a region on `device`: page-locked on CUDA (asynchronous
+    copies at full speed), plain host memory elsewhere."""
+    if device.type == "cuda":
+        from vllm.device_allocator.cumem import pinned_host_buffer
+        return pinned_host_buffer(nbytes, device)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -97,11 +111,17 @@ class Sleeper:
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.device = device
         self.asleep: set[str] = set()
-        # The weights' host copy (level 1), or the model buffers' copies (level 2).
-        self._weights_copy: torch.Tensor | None = None
-        self._buffer_copies: list[tuple[int, torch.Tensor]] = []
         self.kv_cache: Region | None = None
         self.weights, self._buffer_spans = self._pack_model(model)
+        t0 = time.perf_counter()
+        # [weight_bytes] uint8: the weights' host copy while they sleep (module docstring).
+        self.host_backup = make_host_backup(self.weights.nbytes, device)
+        # What host_backup holds now: "weights" (all of the region, level 1), "buffers" (the model buffers'
+        # spans only, level 2), or None (nothing: the weights are awake).
+        self.host_holds: str | None = None
+        logger.info("Sleep mode: %.2f GiB of host memory for the weights' backup%s in %.3f s",
+                    self.weights.nbytes / (1 << 30), " (pinned)" if device.type == "cuda" else "",
+                    time.perf_counter() - t0)
 
     # ---- building the regions
 
@@ -179,19 +199,18 @@ class Sleeper:
         t0 = time.perf_counter()
         self._sync()
         released = 0
-        flat = self.weights.flat
+        flat, host = self.weights.flat, self.host_backup
+        non_blocking = self.device.type == "cuda"
         if "weights" not in self.asleep:
             if level == 1:
-                pin = self.device.type == "cuda"
-                copy = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=pin)
-                copy.copy_(flat, non_blocking=pin)
-                self._weights_copy = copy
+                host.copy_(flat, non_blocking=non_blocking)
+                self.host_holds = "weights"
             else:
-                self._buffer_copies = [(o, flat[o:o + n].to("cpu", copy=True)) for o, n in self._buffer_spans]
-        elif level == 2 and self._weights_copy is not None:  # deeper: keep the buffers only
-            copy = self._weights_copy
-            self._buffer_copies = [(o, copy[o:o + n].clone()) for o, n in self._buffer_spans]
-            self._weights_copy = None
+                for o, n in self._buffer_spans:
+                    host[o:o + n].copy_(flat[o:o + n], non_blocking=non_blocking)
+                self.host_holds = "buffers"
+        elif level == 2:  # deeper: the buffers are already at their offsets in the host copy
+            self.host_holds = "buffers"
         self._sync()
         for tag, region in self._regions().items():
             if tag not in self.asleep:
@@ -214,16 +233,18 @@ class Sleeper:
             region = regions[tag]
             region.restore()
             if tag == "weights":
-                flat = region.flat
-                if self._weights_copy is not None:
-                    flat.copy_(self._weights_copy, non_blocking=self._weights_copy.is_pinned())
-                for offset, copy in self._buffer_copies:
-                    flat[offset:offset + copy.numel()].copy_(copy)
+                flat, host = region.flat, self.host_backup
+                non_blocking = self.device.type == "cuda"
+                if self.host_holds == "weights":
+                    flat.copy_(host, non_blocking=non_blocking)
+                elif self.host_holds == "buffers":
+                    for o, n in self._buffer_spans:
+                        flat[o:o + n].copy_(host[o:o + n], non_blocking=non_blocking)
             else:
                 region.flat.zero_()
             self._sync()
             if tag == "weights":
-                self._weights_copy, self._buffer_copies = None, []
+                self.host_holds = None
             self.asleep.discard(tag)
         if woken:
             logger.info("Woke %s in %.3f s", ", ".join(woken), time.perf_counter() - t0)

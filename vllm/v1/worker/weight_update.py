@@ -10,7 +10,8 @@ NCCL broadcaster (`init_broadcaster` first).
 Invariants:
 - An update is checked whole before any byte moves: every name must route to a parameter (checkpoint names,
   Hugging Face's, with q/k/v and gate/up going into their fused parameters; or, with is_checkpoint_format=False,
-  the model's own parameter names), with the shape that parameter (or its shard) has and a floating-point dtype.
+  the model's own parameter names), with the shape that parameter (or its shard) has at one tensor-parallel rank
+  (the whole tensor: each rank's weight_loader keeps its own shard) and a floating-point dtype.
   A refused update changes no weight; the engine keeps its weights and keeps serving.
 - Tensors are copied one by one into the parameters' storage (`copy_`, casting to the model's dtype), so their
   addresses, and the CUDA graphs captured over them, stay valid, and memory stays about one tensor. On CUDA the
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
+from vllm.model_executor.utils import full_shape, load_full_parameter
 
 
 def _dtype_of(name: str) -> torch.dtype:
@@ -125,7 +127,7 @@ class WeightUpdater:
                 else:
                     params = dict(self.model.named_parameters())
                     for name, tensor in engine.receive_weights(info):
-                        params[name].data.copy_(tensor)
+                        load_full_parameter(params[name], tensor)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
         except Exception as e:
@@ -148,7 +150,7 @@ class WeightUpdater:
                     if name not in params:
                         raise ValueError(f"weight {name!r} matches no parameter of {type(self.model).__name__} "
                                          "(is_checkpoint_format=False takes the model's own parameter names)")
-                    expected = tuple(params[name].shape)
+                    expected = full_shape(params[name])
                 if expected is None:
                     continue
                 if tuple(shape) != expected:
@@ -163,7 +165,7 @@ class WeightUpdater:
             raise ValueError("Weight update refused, no weight was changed: " + "; ".join(problems[:3]) + more)
 
     def weight_info(self) -> dict[str, dict[str, Any]]:
-        return {name: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+        return {name: {"shape": list(full_shape(p)), "dtype": str(p.dtype).removeprefix("torch.")}
                 for name, p in self.model.named_parameters()}
 
     def shutdown(self) -> None:

@@ -1,8 +1,9 @@
-"""Chunked sampling-mask compaction: one read of the logits, spread over (row, chunk) programs.
+"""Sampling-mask compaction: one read of the logits, spread over (row, chunk) programs, and its torch code.
 
-The one-program-per-row kernel carries the running count through a row of 151k ids sequentially, so at 512 rows
-only 512 programs stream the logits and the pass runs at a fraction of the memory bandwidth. Here the work is
-split in two launches whose only large read is the first:
+This is the engine's one compaction path (`compact_sampling_mask` in vllm/v1/sample/sampling_mask.py calls it on
+CUDA and under the Triton interpreter). A single program per row would carry the running count through 151k ids
+sequentially, so at 512 rows only 512 programs would stream the logits, at a fraction of the memory bandwidth.
+Here the work is split in two launches whose only large read is the first:
 
 1. `_pack_count_kernel`, grid (num_reqs, num_chunks): reads CHUNK logits, writes their keep flags as the packed
    little-bit-order bitmask (CHUNK / 8 bytes) and the chunk's keep count.
@@ -11,8 +12,14 @@ split in two launches whose only large read is the first:
    bitmask bytes (1/32 of the logits' bytes), take an exclusive prefix sum of the flags and write ids < K
    ascending. Chunk 0 also writes the row's full count.
 
-Bytes moved: the logits once, plus ~1/32 of that for the bitmask written and re-read by the surviving chunks.
-Output is identical to `_compact_sampling_mask_kernel`: the same token_ids[:, :K], counts and packed_mask.
+Bytes moved: the logits once, plus ~1/32 of that for the bitmask written and re-read by the surviving chunks
+(~1.9x the one-read floor at 512 rows on the H200, docs/benchmarks.md).
+
+`compact_sampling_mask_torch` computes the same outputs with torch ops: the path of CPU tensors outside the
+Triton interpreter (the CPU engine) and the reference of the kernel's tests. Both leave token_ids slots at or past
+a row's count undefined.
+
+`compact_candidates` (the fast path's support from its top-k candidates) has the same kernel / torch split.
 """
 
 from __future__ import annotations
@@ -115,7 +122,8 @@ def compact_sampling_mask_chunked(logits: torch.Tensor, num_sampled: torch.Tenso
                                   hit: torch.Tensor | None = None) -> None:
     """Fill token_ids [R, K] int32, packed_mask [R, ceil(V/8)] uint8 and counts [R] int32 from logits [R, V].
 
-    `chunk` and `num_warps` select the first launch's tiling (benchmarks compare them).
+    `chunk` and `num_warps` select the first launch's tiling (the defaults are the measured best, which the
+    product uses; the kernel benchmark's --tilings compares the others, and the tests check them).
     With `dst_rows` ([n] int64) and `hit` ([n] bool), logits is [n, V] and its row i goes to row dst_rows[i] of
     the outputs (and reads num_sampled there), only where hit[i]; the outputs' other rows are left as they are
     (the sampler's general path writes its recomputed rows into the fast path's mask this way)."""
@@ -126,6 +134,28 @@ def compact_sampling_mask_chunked(logits: torch.Tensor, num_sampled: torch.Tenso
     chunk_counts = launch_pack_count(logits, num_sampled, packed_mask, chunk, num_warps, dst_rows, hit)
     launch_compact(packed_mask, chunk_counts, token_ids, counts, logits.shape[1], chunk, dst_rows=dst_rows,
                    hit=hit)
+
+
+def compact_sampling_mask_torch(logits: torch.Tensor, num_sampled: torch.Tensor, token_ids: torch.Tensor,
+                                packed_mask: torch.Tensor, counts: torch.Tensor) -> None:
+    """`compact_sampling_mask_chunked`'s outputs (without `dst_rows`) with torch ops, on any device."""
+    keep = torch.isfinite(logits) & (num_sampled.to(logits.device) > 0)[:, None]  # [R, V] bool
+    counts.copy_(keep.sum(-1))
+    rows, cols = keep.nonzero(as_tuple=True)
+    slots = (keep.cumsum(-1, dtype=torch.int32) - 1)[rows, cols]
+    inside = slots < token_ids.shape[1]
+    token_ids[rows[inside], slots[inside]] = cols[inside].to(torch.int32)
+    packed_mask.copy_(pack_bool_mask(keep))
+
+
+def pack_bool_mask(keep: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool -> [R, ceil(V/8)] uint8, bit j of byte b is token 8b+j (little bit order)."""
+    num_reqs, vocab_size = keep.shape
+    pad = (-vocab_size) % 8
+    if pad:
+        keep = torch.nn.functional.pad(keep, (0, pad))
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=keep.device)
+    return (keep.reshape(num_reqs, -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
 
 
 def launch_pack_count(logits: torch.Tensor, num_sampled: torch.Tensor, packed_mask: torch.Tensor,

@@ -65,13 +65,6 @@ def _load_keys(row_ptr, offs, valid, temperature):
 
 
 @triton.jit
-def _load_z(row_ptr, offs, valid, temperature_ptr):
-    """z = logits / temperature (IEEE division) at `offs` of one row; -inf where not `valid`."""
-    x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    return tl.math.div_rn(x, tl.load(temperature_ptr))
-
-
-@triton.jit
 def _pick_bin(hist, k_rem, NUM_BINS: tl.constexpr):
     """Largest bin b with |{values in bins >= b}| >= k_rem -> (b, count above b, count in b)."""
     bins = tl.arange(0, NUM_BINS)
