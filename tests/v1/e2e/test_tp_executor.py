@@ -6,8 +6,8 @@ process; sleep and wake-up reach every rank; weight updates under TP=2 (from dis
 world_size = 1 + ranks, gloo on CPU, the trainer in its own process) give the outputs of a fresh TP=1 engine on
 the checkpoint sent; a killed worker process ends in EngineDeadError, not a hang.
 
-Until the model shards itself (wip/tp) every rank holds the whole model; these tests compare with a TP=1 engine,
-never with themselves, so they check real sharding once it is there."""
+Every rank holds its shard of the model (docs/parallelism.md, "Tensor parallel"), so equality with TP=1 checks the
+sharded forward, the gathered logits and the per-rank weight loading together."""
 
 from __future__ import annotations
 
