@@ -94,6 +94,9 @@ def test_collective_rpc_reaches_every_rank_in_order(tp2: LLM) -> None:
         tp2.collective_rpc("nope")
     with pytest.raises(ValueError, match="engine's own step"):
         tp2.collective_rpc("execute_model", args=(None,))
+    # A lambda cannot travel to the engine core process (sent by reference, as every callable across processes).
+    with pytest.raises(ValueError, match="importable by name"):
+        tp2.collective_rpc(lambda worker: worker.rank)
     # A result that cannot travel back is an error, not a hang.
     with pytest.raises(RuntimeError, match="pickle|picklable"):
         tp2.collective_rpc(unpicklable_result)

@@ -293,8 +293,13 @@ class MPClient(EngineCoreClient):
 
     def _utility_frames(self, call_id: int, method: str, args: tuple, kwargs: dict[str, Any]
                         ) -> tuple[bytes, bytes, bytes]:
-        return (EngineCoreRequestType.UTILITY.value, self.encoder.encode((self.client_index, call_id)),
-                pickle.dumps((method, args, kwargs)))
+        try:
+            payload = pickle.dumps((method, args, kwargs))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise ValueError(f"{method}: the arguments cannot be sent to the engine core process ({e}); a callable "
+                             "for collective_rpc must be importable by name there (a module-level function, not a "
+                             "lambda or a closure).") from None
+        return (EngineCoreRequestType.UTILITY.value, self.encoder.encode((self.client_index, call_id)), payload)
 
     @staticmethod
     def _result_value(ok: bool, value: Any) -> Any:
