@@ -4,8 +4,8 @@ Each spawned worker builds its worker (cuda:rank, or the CPU over gloo), joins t
 and runs the step loop (vllm/v1/executor/distributed.py) until the driver says shutdown.
 
 Invariants:
-- A worker that fails at start-up sends its error text on its pipe before it exits, so the engine's start-up error
-  names it.
+- A worker that fails sends its error text on its pipe before it exits: the EngineDeadError of the driver's next
+  call names it, and so does the monitor's log line when it ends the process first.
 - A monitor thread waits on every worker's sentinel. A worker that dies (not at shutdown) makes the executor fail:
   the next call raises EngineDeadError, and a collective in progress fails at once on gloo. In an engine core's
   own process the monitor also ends the process after a short grace (a collective on NCCL could wait for the
