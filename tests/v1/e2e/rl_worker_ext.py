@@ -81,3 +81,8 @@ def param_sum(worker: Any, name: str) -> float:
 def unpicklable_result(worker: Any) -> Any:
     import threading
     return threading.Lock()
+
+
+def worker_pid(worker: Any) -> int:
+    import os
+    return os.getpid()

@@ -1,16 +1,20 @@
 """distributed_executor_backend="ray" on a local Ray instance (CPU, gloo): rank 1 is a Ray actor of a placement
 group; TP=2 greedy tokens and seeded tokens and masks equal a TP=1 engine's, and collective_rpc answers once per
-rank in rank order. One engine for the module (Ray's start-up is the cost); skipped without Ray installed."""
+rank in rank order; a killed actor process gives EngineDeadError. One engine for the module (Ray's start-up is
+the cost); skipped without Ray installed."""
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Iterator
 
 import pytest
-from rl_worker_ext import rank_and_double
+from rl_worker_ext import rank_and_double, worker_pid
 
 from vllm import LLM, SamplingParams
+from vllm.v1.engine.core_client import EngineDeadError
 
 pytest.importorskip("ray")
 
@@ -60,3 +64,23 @@ def test_ray_collective_rpc(ray_llm: LLM) -> None:
     assert ray_llm.collective_rpc(rank_and_double, args=(3,)) == [(0, 6), (1, 6)]
     infos = ray_llm.collective_rpc("weight_info")
     assert len(infos) == 2 and infos[0].keys() == infos[1].keys()
+
+
+def test_killed_ray_worker_gives_engine_dead_error(ray_llm: LLM) -> None:
+    """Last in the module: rank 1's actor process dies; generate fails with EngineDeadError instead of hanging."""
+    pids = ray_llm.collective_rpc(worker_pid)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    os.kill(pids[1], signal.SIGKILL)
+    box: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            ray_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        except BaseException as e:  # noqa: BLE001
+            box[0] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(90)
+    assert not thread.is_alive(), "generate hung after a Ray worker died"
+    assert isinstance(box[0], EngineDeadError), box[0]
