@@ -266,7 +266,7 @@ def test_rank_checks() -> None:
     assert parse_data_parallel_rank_header(" 1", 2) == 1
     with pytest.raises(VLLMValidationError, match="X-data-parallel-rank header must be an integer"):
         parse_data_parallel_rank_header("one", 2)
-    with pytest.raises(VLLMValidationError, match=r"out of range \[0, 1\)"):
+    with pytest.raises(VLLMValidationError, match=r"X-data-parallel-rank 1 is out of range \[0, 1\)"):
         parse_data_parallel_rank_header("1", 1)
 
 

@@ -84,14 +84,14 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError
 from vllm.v1.engine.core_launch import launch_engine_cores
-from vllm.v1.engine.dp_client import current_data_parallel_rank, parse_data_parallel_rank_header
+from vllm.v1.engine.dp_client import (DATA_PARALLEL_RANK_HEADER, current_data_parallel_rank,
+                                      parse_data_parallel_rank_header)
 from vllm.v1.engine.sleep_mode import EngineSleepingError
 from vllm.v1.serving_gc import freeze_startup_heap
 
 logger = logging.getLogger("vllm.entrypoints.openai.api_server")
 
 _PROTECTED_PREFIXES = ("/v1", "/inference")
-DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
 
 
 def _error(message: str, status_code: int, err_type: str, param: str | None = None) -> JSONResponse:

@@ -44,22 +44,25 @@ from vllm.v1.engine.core_launch import EngineCoreHandle
 current_data_parallel_rank: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "current_data_parallel_rank", default=None)
 
+# vLLM's header naming a request's engine core (header names are case-insensitive).
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
 # NOTE: vLLM's weighting of waiting requests on a KV-bound engine: none at up to half the KV cache in use, rising to
 # 3 extra per waiting request when it is full.
 _KV_WAITING_WEIGHT = 6.0
 _KV_WAITING_FROM = 0.5
 
 
-def check_data_parallel_rank(rank: Any, data_parallel_size: int) -> int | None:
+def check_data_parallel_rank(rank: Any, data_parallel_size: int,
+                             parameter: str = "data_parallel_rank") -> int | None:
     """A request's data_parallel_rank: None, or an int in [0, data_parallel_size) (VLLMValidationError else)."""
     if rank is None:
         return None
     if not isinstance(rank, int) or isinstance(rank, bool):
-        raise VLLMValidationError(f"data_parallel_rank must be an integer, got {rank!r}.",
-                                  parameter="data_parallel_rank", value=rank)
+        raise VLLMValidationError(f"{parameter} must be an integer, got {rank!r}.", parameter=parameter, value=rank)
     if not 0 <= rank < data_parallel_size:
-        raise VLLMValidationError(f"data_parallel_rank {rank} is out of range [0, {data_parallel_size}).",
-                                  parameter="data_parallel_rank", value=rank)
+        raise VLLMValidationError(f"{parameter} {rank} is out of range [0, {data_parallel_size}).",
+                                  parameter=parameter, value=rank)
     return rank
 
 
@@ -71,9 +74,9 @@ def parse_data_parallel_rank_header(value: str | None, data_parallel_size: int) 
     try:
         rank = int(value.strip())
     except ValueError:
-        raise VLLMValidationError(f"The X-data-parallel-rank header must be an integer, got {value!r}.",
-                                  parameter="X-data-parallel-rank", value=value) from None
-    return check_data_parallel_rank(rank, data_parallel_size)
+        raise VLLMValidationError(f"The {DATA_PARALLEL_RANK_HEADER} header must be an integer, got {value!r}.",
+                                  parameter=DATA_PARALLEL_RANK_HEADER, value=value) from None
+    return check_data_parallel_rank(rank, data_parallel_size, DATA_PARALLEL_RANK_HEADER)
 
 
 def _combine(method: str, results: list[Any]) -> Any:
