@@ -256,3 +256,35 @@ def test_a_dead_rank_stops_the_server_without_hanging(server: RemoteServer) -> N
     assert not any('"finish_reason":"length"' in line.replace(" ", "") for line in lines)
     assert "error" in outcome or any("error" in line for line in lines), lines[-3:]
     assert server.proc.wait(60) != 0
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[RemoteServer]:
+    srv = _serve(["--api-server-count", "2"])
+    yield srv
+    stop_server(srv)
+
+
+def test_two_api_servers_each_reach_both_engines(group: RemoteServer, reference: dict[str, dict[str, Any]]) -> None:
+    """--api-server-count 2 with --data-parallel-size 2: two engine cores and two API servers, and whichever API
+    server a connection lands on (one connection per request, spread by the kernel) reaches either engine."""
+    assert len(_engine_pids(group)) == 4
+
+    async def run() -> list[tuple[list[int], list[list[int]]]]:
+        async def one(i: int) -> tuple[list[int], list[list[int]]]:
+            headers = {HEADER: str(i % 2)} if i % 3 else {}
+            async with httpx.AsyncClient(base_url=group.url, timeout=300) as http:
+                resp = await http.post("/v1/completions", json=_body(i), headers=headers)
+                assert resp.status_code == 200, resp.text
+                choice = resp.json()["choices"][0]
+                return choice["token_ids"], choice["sampling_mask"]
+        return list(await asyncio.gather(*(one(i) for i in range(24))))
+
+    for i, result in enumerate(asyncio.run(run())):
+        assert result == reference["old"]["seeded"][i]
+    for _ in range(4):
+        with httpx.Client(base_url=group.url, timeout=120) as http:
+            assert http.post("/collective_rpc", json={"method": "probe_parallel"}).json() == \
+                {"results": [[0, 2], [1, 2]]}
+    group.proc.send_signal(signal.SIGTERM)
+    assert group.proc.wait(60) == 0

@@ -1,15 +1,24 @@
-"""The server's answers about its engine cores, in process (the app over a stand-in engine client, no engine
-processes): /health is 200 while every engine core lives and 503 (vLLM's status for EngineDeadError) with the
-reason once one died; a bad X-data-parallel-rank header is a 400 before anything reaches an engine."""
+"""Data parallel's checks, without engine processes: bad sizes are refused (config, EngineArgs, `vllm serve` exits
+2), the offline engine refuses data_parallel_size > 1 by name, and the server's answers about its engine cores
+(the app over a stand-in engine client): /health is 200 while every engine core lives and 503 (vLLM's status for
+EngineDeadError) with the reason once one died; a bad X-data-parallel-rank header is a 400 before anything
+reaches an engine."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
+import pytest
 
-from vllm.config import VllmConfig
+from vllm import LLM
+from vllm.config import ParallelConfig, VllmConfig
+from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.openai.api_server import build_app
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -57,3 +66,31 @@ def test_health_is_503_once_an_engine_core_died_and_a_bad_rank_header_is_400() -
             assert "data-parallel rank 1" in resp.json()["error"]["message"]
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("size", [0, -1, True, "2", 1.5])
+def test_bad_data_parallel_sizes_are_refused(size: Any) -> None:
+    with pytest.raises(ValueError, match="data_parallel_size must be"):
+        ParallelConfig(data_parallel_size=size)
+    with pytest.raises(ValueError, match="data_parallel_size must be"):
+        EngineArgs(device="cpu", data_parallel_size=size).create_engine_config()
+
+
+def test_rank_out_of_its_size_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"data_parallel_rank=2 is out of range \[0, 2\)"):
+        ParallelConfig(data_parallel_size=2, data_parallel_rank=2)
+
+
+def test_offline_engine_refuses_data_parallel_by_name() -> None:
+    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported by the offline engine"):
+        LLM(device="cpu", data_parallel_size=2, max_model_len=64)
+
+
+@pytest.mark.parametrize("flags", [["-dp", "0"], ["--data-parallel-size", "-2"]])
+def test_serve_exits_2_on_a_bad_size(flags: list[str]) -> None:
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--device", "cpu", *flags],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=repo)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "data_parallel_size must be >= 1" in result.stderr
