@@ -29,8 +29,8 @@ class RankEchoEngineCore:
     """Answers each request once with its own data-parallel rank as the token; a request with max_tokens 1 then
     finishes, any other stays in the engine silently (so an idle loop waits instead of spinning) until aborted."""
 
-    UTILITY_METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "get_aborted", "init_broadcaster",
-                                 "get_broadcaster", "refuse_on_rank_one", "abort_all_requests"})
+    UTILITY_METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "wake_up", "get_aborted",
+                                 "init_broadcaster", "get_broadcaster", "refuse_on_rank_one", "abort_all_requests"})
 
     def __init__(self, vllm_config: Any) -> None:
         self.rank = vllm_config.parallel_config.data_parallel_rank
@@ -66,6 +66,9 @@ class RankEchoEngineCore:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         return self.rank == 0
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return self.rank == 1
 
     def get_aborted(self) -> list[str]:
         return list(self.aborted)
@@ -192,6 +195,7 @@ def test_utility_calls_reach_every_engine_and_combine() -> None:
             assert await client.call_utility_async("collective_rpc", "echo", None, (), None) == \
                 ["echo@0.0", "echo@0.1", "echo@1.0", "echo@1.1"]
             assert await client.call_utility_async("reset_prefix_cache", False, False) is False
+            assert await client.call_utility_async("wake_up", None) is False
             for i in range(3):
                 await client.add_request_async(_request(f"r{i}"))
             await reader.wait_for({"r0", "r1", "r2"})

@@ -23,8 +23,8 @@ Invariants:
   X-data-parallel-rank header (vLLM's) picks its engine, else the least loaded one serves it.
 
 --api-server-count N > 1 (`run_api_servers`): this process binds the port, starts the engine core(s) (one per
-data-parallel rank, each reached by every API server) and N API server processes that share the listening socket (the kernel spreads new connections over them), and watches
-them. Each API server is the single-server app above with its own AsyncLLM frontend (tokenizer, output
+data-parallel rank, each reached by every API server) and N API server processes that share the listening
+socket (the kernel spreads new connections over them), and watches them. Each API server is the single-server app above with its own AsyncLLM frontend (tokenizer, output
 processing, metrics) joined to the shared core, so the per-token frontend work (output processing, JSON, HTTP)
 runs on N cores. The whole group stops on SIGTERM/SIGINT (exit 0) or when any member exits (exit 1). /metrics
 is per process: request counters and histograms count the requests that process served; the scheduler gauges

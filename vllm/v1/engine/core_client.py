@@ -39,10 +39,14 @@ import zmq.asyncio
 
 from vllm.config import VllmConfig
 from vllm.v1.engine import Deferred, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from vllm.v1.engine.core_launch import (EngineCoreHandle, data_parallel_size_of, launch_engine_core,  # noqa: F401
+from vllm.v1.engine.core_launch import (EngineCoreHandle, data_parallel_size_of, launch_engine_core,
                                         launch_engine_cores, pid_alive)
 from vllm.v1.engine.core_proc import ERROR, OUTPUTS, READY, UTILITY_RESULT
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+__all__ = ["AsyncMPClient", "EngineCoreClient", "EngineCoreHandle", "EngineDeadError", "InprocClient", "MPClient",
+           "SyncMPClient", "launch_engine_core", "launch_engine_cores", "make_async_client",
+           "refuse_offline_data_parallel"]
 
 # NOTE: how often a waiting client checks that the core process is still alive.
 _POLL_MS = 200

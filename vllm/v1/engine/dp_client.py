@@ -10,8 +10,8 @@ index spread over the API servers. Aborts go to the engine that holds each reque
 Utility calls (pause, resume, sleep, wake_up, reset_prefix_cache, weight updates, collective_rpc, ...) go to
 every engine core at once and return when all answered: collective_rpc's results are one list, the engines' in
 rank order (each engine's workers in their rank order); reset_prefix_cache is True only when every engine reset
-its cache; abort_all_requests counts over all engines; is_paused / is_sleeping are True when any engine is; any
-other call returns rank 0's result. When any engine raised, the call raises the lowest rank's exception (after
+its cache, wake_up only when every engine is fully awake; abort_all_requests counts over all engines; is_paused
+and is_sleeping are True when any engine is; any other call returns rank 0's result. When any engine raised, the call raises the lowest rank's exception (after
 all answered). The ranks that join a trainer's NCCL group (init_weight_transfer_engine, init_broadcaster) are
 offset per engine by `rank * tensor_parallel_size`, so every worker of every engine has its own rank.
 
@@ -83,7 +83,7 @@ def _combine(method: str, results: list[Any]) -> Any:
     """One result from every engine's (rank order), as the module docstring says."""
     if method == "collective_rpc":
         return [r for engine_results in results for r in engine_results]
-    if method == "reset_prefix_cache":
+    if method in ("reset_prefix_cache", "wake_up"):
         return all(results)
     if method == "abort_all_requests":
         return sum(results)
