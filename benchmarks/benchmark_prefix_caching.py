@@ -173,7 +173,9 @@ async def _served(args: argparse.Namespace) -> dict[str, Any]:
 
         async def counters() -> tuple[int, int] | None:
             resp = await client.get(f"{base}/metrics")
-            found = {k: int(float(v)) for k, v in _COUNTER.findall(resp.text)} if resp.status_code == 200 else {}
+            found: dict[str, int] = {}
+            for k, v in _COUNTER.findall(resp.text) if resp.status_code == 200 else ():
+                found[k] = found.get(k, 0) + int(float(v))  # NOTE: summed over the engines (engine="i")
             return (found["queries"], found["hits"]) if len(found) == 2 else None
 
         work = Workload(args, vocab)

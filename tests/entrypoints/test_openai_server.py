@@ -251,7 +251,7 @@ def test_disconnected_stream_is_aborted_and_frees_kv_blocks(server: RemoteServer
 
 def _aborts(server: RemoteServer) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(r'vllm:request_success_total{finished_reason="abort"[^}]*} ([0-9.e+]+)', text)
+    match = re.search(r'vllm:request_success_total{[^}]*finished_reason="abort"[^}]*} ([0-9.e+]+)', text)
     return float(match.group(1)) if match else 0.0
 
 

@@ -21,8 +21,8 @@ def test_bulk_mask_size_observation_equals_observe() -> None:
     bulk.record_scheduler_stats(SchedulerStats(sampling_mask_sizes=sizes[200:], num_sampling_mask_overflow_rows=3))
     one = PrometheusStatLogger("m", 10)
     for size in sizes:
-        one.hist_mask_size.observe(size)
+        one.engines[0].hist_mask_size.observe(size)
     got, want = _samples(bulk.registry, "vllm:sampling_mask_size"), _samples(one.registry, "vllm:sampling_mask_size")
-    assert got == want and want[("vllm:sampling_mask_size_count", (("model_name", "m"),))] == len(sizes)
+    assert got == want and want[("vllm:sampling_mask_size_count", (("engine", "0"), ("model_name", "m")))] == len(sizes)
     overflow = _samples(bulk.registry, "vllm:sampling_mask_overflow_rows")
-    assert overflow[("vllm:sampling_mask_overflow_rows_total", (("model_name", "m"),))] == 3
+    assert overflow[("vllm:sampling_mask_overflow_rows_total", (("engine", "0"), ("model_name", "m")))] == 3

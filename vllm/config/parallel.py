@@ -1,4 +1,8 @@
-"""ParallelConfig: how the model and the sampler are spread over devices."""
+"""ParallelConfig: how the model and the sampler are spread over devices, and how many engines serve.
+
+Data parallel (docs/parallelism.md): `data_parallel_size` engine cores, each with its own copy of the model and its
+own (future) tensor-parallel group; the launcher gives engine i a copy of the config with `data_parallel_rank = i`.
+Engines of a dense model share nothing at run time (no process group spans them)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,12 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Number of tensor-parallel ranks: one worker per rank (docs/parallelism.md); it must divide the model's
     attention heads."""
+    data_parallel_size: int = 1
+    """Number of engine cores serving the model, each its own process with a whole copy of the model (and its own
+    tensor-parallel group); the API servers spread requests over them by load. Served by `vllm serve` / AsyncLLM;
+    the offline LLM refuses it."""
+    data_parallel_rank: int = 0
+    """This engine core's index among the data-parallel engines (set by the launcher; 0 in the frontend)."""
     enable_batch_sharded_sampling: bool = False
     """Accepted for vLLM compatibility at tensor_parallel_size 1 (no effect there); refused with more ranks: the
     logits are gathered to every rank and one sampler step runs on the whole batch (docs/parallelism.md)."""
@@ -34,6 +44,16 @@ class ParallelConfig:
     collective_rpc (RL frameworks' weight-sync code). It is imported in the engine process: trusted code only."""
 
     def __post_init__(self) -> None:
+        for name in ("data_parallel_size", "data_parallel_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}.")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1 (the number of engine cores), got "
+                             f"{self.data_parallel_size}.")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank={self.data_parallel_rank} is out of range [0, "
+                             f"{self.data_parallel_size}).")
         if self.worker_extension_cls:
             resolve_worker_extension(self.worker_extension_cls)  # NOTE: here, so that a bad path fails early
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \

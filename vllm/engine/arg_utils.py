@@ -19,6 +19,8 @@ from typing import Any
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
 _CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
+# vLLM's short forms of some flags.
+_SHORT_FLAGS = {"data_parallel_size": "-dp"}
 
 
 @cache
@@ -62,6 +64,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     enable_batch_sharded_sampling: bool = False
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -89,6 +92,7 @@ class EngineArgs:
         docs = _field_docs()
         for f in fields(cls):
             name = "--" + f.name.replace("_", "-")
+            names = (name, _SHORT_FLAGS[f.name]) if f.name in _SHORT_FLAGS else (name,)
             help_text = docs.get(f.name, "")
             if f.name == "model" and positional_model:
                 parser.add_argument("model", nargs="?", default=None,
@@ -96,9 +100,9 @@ class EngineArgs:
                 parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
                 continue
             if f.type in ("bool", bool, "bool | None"):
-                parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
                 continue
-            parser.add_argument(name, type=_parse_type(str(f.type)), default=f.default, help=help_text)
+            parser.add_argument(*names, type=_parse_type(str(f.type)), default=f.default, help=help_text)
         return parser
 
     @classmethod
@@ -132,6 +136,7 @@ class EngineArgs:
                                              async_scheduling=self.async_scheduling,
                                              enable_chunked_prefill=self.enable_chunked_prefill),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                           data_parallel_size=self.data_parallel_size,
                                            enable_batch_sharded_sampling=self.enable_batch_sharded_sampling,
                                            pipeline_parallel_size=self.pipeline_parallel_size,
                                            distributed_executor_backend=self.distributed_executor_backend,

@@ -36,6 +36,11 @@ class ProbeExtension:
         import os
         return os.getpid()
 
+    def probe_parallel(self) -> list[int]:
+        """The data-parallel rank and size of this worker's engine core (the config copy its launcher gave it)."""
+        parallel = self.parallel_config  # type: ignore[attr-defined]
+        return [parallel.data_parallel_rank, parallel.data_parallel_size]
+
     def probe_sleep(self, seconds: float) -> float:
         time.sleep(seconds)
         return seconds

@@ -44,8 +44,11 @@ def make_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from vllm.entrypoints.openai.api_server import loop_factory, run_api_servers, run_server
     from vllm.entrypoints.openai.cli_args import check_frontend_args
+    from vllm.v1.engine.core_launch import device_env
     try:
-        check_frontend_args(args, AsyncEngineArgs.from_cli_args(args).create_engine_config().model_config)
+        vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+        check_frontend_args(args, vllm_config.model_config)
+        device_env(vllm_config)  # NOTE: enough devices for every data-parallel engine, checked before any starts
     except ValueError as e:
         parser.error(str(e))
     if args.api_server_count < 1:

@@ -2,8 +2,8 @@
 
 Mounted only with VLLM_SERVER_DEV_MODE=1 or `--enable-rl-endpoints` (vLLM's gating): they pause generation, load
 weights from any folder the server can read, and run worker methods by name, so they are for a trusted network
-(the --api-key covers /v1 and /inference only). Every call goes to the one engine core, whichever API server
-(--api-server-count) receives it.
+(the --api-key covers /v1 and /inference only). Every call goes to every engine core (each data-parallel rank),
+whichever API server (--api-server-count) receives it.
 
 - Pause: POST /pause?mode=abort|wait|keep&clear_cache= -> {"status": "paused"}; POST /resume -> {"status":
   "resumed"} (400 when not paused); GET /is_paused; POST /abort_requests {"request_ids": [...]} (none or empty:
@@ -182,8 +182,10 @@ def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
 
     @router.get("/get_world_size")
     async def get_world_size(raw: Request) -> JSONResponse:
-        _flag(raw, "include_dp", True)  # NOTE: checked; one worker either way
-        return JSONResponse({"world_size": engine.vllm_config.parallel_config.tensor_parallel_size})
+        # NOTE: vLLM's: the workers of one engine core, times the data-parallel engines with include_dp.
+        parallel = engine.vllm_config.parallel_config
+        num_engines = parallel.data_parallel_size if _flag(raw, "include_dp", True) else 1
+        return JSONResponse({"world_size": parallel.tensor_parallel_size * num_engines})
 
     @router.post("/init_broadcaster")
     async def init_broadcaster(raw: Request) -> JSONResponse:
@@ -195,10 +197,11 @@ def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
         if body.get("quantize_in_weight_transfer"):
             raise ValueError("quantize_in_weight_transfer is not supported: the broadcast must carry "
                              "checkpoint-format weights.")
-        tp = engine.vllm_config.parallel_config.tensor_parallel_size
-        if body.get("engine_world_size") not in (None, tp):
-            raise ValueError(f"engine_world_size={body['engine_world_size']!r}: this server has {tp} worker(s), one "
-                             "per tensor-parallel rank.")
+        parallel = engine.vllm_config.parallel_config
+        num_workers = parallel.tensor_parallel_size * parallel.data_parallel_size
+        if body.get("engine_world_size") not in (None, num_workers):
+            raise ValueError(f"engine_world_size={body['engine_world_size']!r}: this server has {num_workers} "
+                             "worker(s).")
         await engine.init_broadcaster(_required(body, "host"), _required(body, "port"),
                                       body.get("rank_offset", 0), _required(body, "inference_world_size"),
                                       body.get("timeout", 1200))

@@ -5,7 +5,7 @@ Endpoints: GET /v1/models, /health, /version, /metrics; POST /v1/completions, /v
 loops (admin.py: pause/resume, weight updates, collective_rpc). Errors are OpenAI-style
 `{"error": {message, type, param, code}}`: invalid input 400
 (validation errors included, never 422), unknown model 404, missing or wrong key under --api-key 401, a dead
-engine or any unexpected error 500 (still an OpenAI body).
+engine or any unexpected error 500 (still an OpenAI body); /health answers 503 once the engine died.
 
 Invariants:
 - A request is fully validated before it reaches the engine core, so a bad request never disturbs the others.
@@ -17,16 +17,19 @@ Invariants:
 - The OpenAPI schema documents what the server does: 400 (never 422) with the OpenAI error body, the fields a
   request must send, and the bounds the server enforces (protocol.py).
 - A client that disconnects before its response (streaming or not) has its requests aborted in the engine.
-- When the engine-core process dies, /health fails, in-flight requests get an error, the server shuts down and
-  `run_server` returns 1 (the process exits non-zero).
+- When an engine-core process dies (any data-parallel rank), /health answers 503, in-flight requests get an
+  error, the server shuts down and `run_server` returns 1 (the process exits non-zero).
+- --data-parallel-size N: the frontend's AsyncLLM talks to N engine cores (dp_client.py); a generation request's
+  X-data-parallel-rank header (vLLM's) picks its engine, else the least loaded one serves it.
 
---api-server-count N > 1 (`run_api_servers`): this process binds the port, starts one engine core and N API
-server processes that share the listening socket (the kernel spreads new connections over them), and watches
-them. Each API server is the single-server app above with its own AsyncLLM frontend (tokenizer, output
+--api-server-count N > 1 (`run_api_servers`): this process binds the port, starts the engine core(s) (one per
+data-parallel rank, each reached by every API server) and N API server processes that share the listening
+socket (the kernel spreads new connections over them), and watches them. Each API server is the single-server app above with its own AsyncLLM frontend (tokenizer, output
 processing, metrics) joined to the shared core, so the per-token frontend work (output processing, JSON, HTTP)
 runs on N cores. The whole group stops on SIGTERM/SIGINT (exit 0) or when any member exits (exit 1). /metrics
 is per process: request counters and histograms count the requests that process served; the scheduler gauges
-(running, waiting, KV usage) come from the shared core and are the same in every process.
+(running, waiting, KV usage) come from the shared cores and are the same in every process; every sample is
+labelled with its engine core (`engine="i"`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -79,7 +82,10 @@ from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, launch_engine_core
+from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError
+from vllm.v1.engine.core_launch import launch_engine_cores
+from vllm.v1.engine.dp_client import (DATA_PARALLEL_RANK_HEADER, current_data_parallel_rank,
+                                      parse_data_parallel_rank_header)
 from vllm.v1.engine.sleep_mode import EngineSleepingError
 from vllm.v1.serving_gc import freeze_startup_heap
 
@@ -281,8 +287,9 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
 
     @app.get("/health")
     async def health() -> Response:
+        # NOTE: 503 as vLLM's /health answers a dead engine (EngineDeadError), with the reason in an OpenAI body.
         if engine.errored:
-            return _error(f"The engine died: {engine.dead_error}", 500, "InternalServerError")
+            return _error(f"The engine died: {engine.dead_error}", 503, "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -299,18 +306,21 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
 
     @app.post("/v1/completions", responses=route_responses(CompletionResponse))
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        handler = app.state.completion.create_completion(request)
-        return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
+        with _data_parallel_rank(raw_request, engine):
+            handler = app.state.completion.create_completion(request)
+            return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
     @app.post("/v1/chat/completions", responses=route_responses(ChatCompletionResponse))
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        handler = app.state.chat.create_chat_completion(request)
-        return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
+        with _data_parallel_rank(raw_request, engine):
+            handler = app.state.chat.create_chat_completion(request)
+            return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
     @app.post("/inference/v1/generate", responses=route_responses(GenerateResponse))
     async def generate(request: GenerateRequest, raw_request: Request) -> Response:
-        handler = app.state.generate.generate(request)
-        return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
+        with _data_parallel_rank(raw_request, engine):
+            handler = app.state.generate.generate(request)
+            return _respond(await _cancel_on_disconnect(raw_request, handler, app.state.drain))
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(raw_request: Request) -> Response:
@@ -333,6 +343,19 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, enable_rl_endpoints:
 
     app.openapi = lambda: documented_openapi(app)  # type: ignore[method-assign]
     return app
+
+
+@contextlib.contextmanager
+def _data_parallel_rank(raw: Request, engine: AsyncLLM) -> Iterator[None]:
+    """While a generation route runs: the rank of its X-data-parallel-rank header (vLLM's) for the requests it adds
+    (AsyncLLM.add_request reads it; the handler's task copies it). A bad value is a 400."""
+    rank = parse_data_parallel_rank_header(raw.headers.get(DATA_PARALLEL_RANK_HEADER),
+                                           engine.engine_core.data_parallel_size)
+    token = current_data_parallel_rank.set(rank)
+    try:
+        yield
+    finally:
+        current_data_parallel_rank.reset(token)
 
 
 async def _watch_engine(engine: AsyncLLM, server: uvicorn.Server) -> None:
@@ -451,7 +474,7 @@ def _stop(procs: list[multiprocessing.process.BaseProcess], timeout_s: float) ->
 
 
 def run_api_servers(args: argparse.Namespace) -> int:
-    """--api-server-count N > 1: one engine core, N API server processes on one listening socket (module
+    """--api-server-count N > 1: the engine cores, N API server processes on one listening socket (module
     docstring); returns the exit code: 0 after SIGTERM/SIGINT, 1 when a member exited on its own."""
     num_servers = args.api_server_count
     vllm_config = make_vllm_config(args)
@@ -463,7 +486,7 @@ def run_api_servers(args: argparse.Namespace) -> int:
         stop_requested = True
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    core, handles, tmp_dir = launch_engine_core(vllm_config, num_servers)
+    cores, handles, tmp_dir = launch_engine_cores(vllm_config, num_servers)
     spawn = multiprocessing.get_context("spawn")
     servers = [spawn.Process(target=_api_server_proc, name=f"APIServer_{h.client_index}", daemon=True,
                              args=(args, vllm_config, h, sock)) for h in handles]
@@ -471,9 +494,9 @@ def run_api_servers(args: argparse.Namespace) -> int:
         for proc in servers:
             proc.start()
         sock.close()
-        logger.info("Started %d API server processes and the engine core (pid %d) on %s:%d.", num_servers,
-                    core.pid, args.host, args.port)
-        members = [core, *servers]
+        logger.info("Started %d API server processes and %d engine core(s) (pids %s) on %s:%d.", num_servers,
+                    len(cores), ", ".join(str(c.pid) for c in cores), args.host, args.port)
+        members = [*cores, *servers]
         exited: list[multiprocessing.process.BaseProcess] = []
         while not stop_requested and not exited:
             multiprocessing.connection.wait([p.sentinel for p in members], timeout=0.5)
@@ -485,11 +508,11 @@ def run_api_servers(args: argparse.Namespace) -> int:
                              proc.exitcode)
         # NOTE: the API servers first (graceful: they finish their responses), then the core.
         _stop(servers, getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S) + FLUSH_S + 5)
-        _stop([core], 10)
+        _stop(cores, 10)
         # NOTE: a signal to the whole process group (Ctrl-C) may end a member before this loop saw the signal.
         return 0 if stop_requested else 1
     finally:
-        _stop([*servers, core], 1)
+        _stop([*servers, *cores], 1)
         shutil.rmtree(tmp_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -37,6 +37,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0
     # Prefix caching: blocks are shared only between requests with the same salt (None: unsalted).
     cache_salt: str | None = None
+    # Data parallel: the engine core that must serve it (the X-data-parallel-rank header); None: the least loaded.
+    data_parallel_rank: int | None = None
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
@@ -107,6 +109,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # sleep state changed to this; True with outputs, these are requests refused because the engine sleeps.
     # None: no news.
     sleeping: bool | None = None
+    # Data parallel: the rank of the engine core that sent these outputs (set by its process when it sends them).
+    engine_index: int = 0
 
     def resolve_step_rows(self) -> None:
         """Build deferred sampling masks now (a PendingStepMasks in step_masks) and

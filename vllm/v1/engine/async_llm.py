@@ -11,6 +11,10 @@ Invariants:
   shared by its children). Nothing waits for the garbage collector.
 - Once the core process dies, every waiting request gets `EngineDeadError` and new requests are refused;
   `errored` / `dead_error` tell the server.
+- With data parallel (`data_parallel_size` N) the client is a DPLBAsyncMPClient over N engine cores
+  (vllm/v1/engine/dp_client.py): each request goes to one engine (`data_parallel_rank`, else the least loaded),
+  every call below (pause, weight updates, collective_rpc, sleep, ...) to all of them; the metrics carry
+  `engine="i"`. Any engine that dies makes the whole frontend dead.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
 from vllm.utils import refuse_stat_loggers, unwrap_info
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
-from vllm.v1.engine.core_client import AsyncMPClient, EngineCoreHandle, EngineDeadError
+from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, make_async_client
+from vllm.v1.engine.dp_client import check_data_parallel_rank, current_data_parallel_rank
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_collector import RequestOutputCollector
 from vllm.v1.engine.output_processor import OutputProcessor
@@ -135,11 +140,12 @@ class AsyncLLM:
         self.tokenizer: Tokenizer | None = None if mc.skip_tokenizer_init else get_tokenizer(str(mc.tokenizer))
         self.input_processor = InputProcessor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
-        self.engine_core = AsyncMPClient(vllm_config, handle=core_handle)
+        self.engine_core = make_async_client(vllm_config, core_handle)
         self.num_gpu_blocks = int(self.engine_core.ready_info.get("num_gpu_blocks", 0))
         self.log_stats = log_stats
         self.log_requests = log_requests
-        self.stat_logger = PrometheusStatLogger(mc.name, self.num_gpu_blocks)
+        self.stat_logger = PrometheusStatLogger(
+            mc.name, [int(info.get("num_gpu_blocks", 0)) for info in self.engine_core.engines_ready_info])
         self.request_stats = RequestStatsTracker()
         self.output_handler: asyncio.Task | None = None
         self._background_tasks: set[asyncio.Task] = set()
@@ -199,9 +205,15 @@ class AsyncLLM:
             self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                          lora_request: Any = None, priority: int = 0) -> RequestOutputCollector:
+                          lora_request: Any = None, priority: int = 0,
+                          data_parallel_rank: int | None = None) -> RequestOutputCollector:
         """Validate, register and send one request; raises ValueError (bad input, a lora_request, a priority
-        other than 0) or EngineDeadError."""
+        other than 0, a data_parallel_rank out of range) or EngineDeadError. data_parallel_rank (vLLM's): the
+        engine core that serves it (all its n > 1 children); None: the X-data-parallel-rank header of the HTTP
+        request being handled, if any, else the least loaded engine."""
+        if data_parallel_rank is None:
+            data_parallel_rank = current_data_parallel_rank.get()
+        data_parallel_rank = check_data_parallel_rank(data_parallel_rank, self.engine_core.data_parallel_size)
         await self.check_health()
         if self.sleeping:
             raise EngineSleepingError()
@@ -215,6 +227,7 @@ class AsyncLLM:
         self._ensure_output_handler()
         try:
             for i, core_request in enumerate(core_requests, 1):
+                core_request.data_parallel_rank = data_parallel_rank
                 if self.log_stats:
                     self.request_stats.add_request(core_request.request_id, len(request.prompt_token_ids))
                 await self.engine_core.add_request_async(core_request)
@@ -230,11 +243,12 @@ class AsyncLLM:
         return queue
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       lora_request: Any = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                       lora_request: Any = None, priority: int = 0,
+                       data_parallel_rank: int | None = None) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as they come. lora_request and priority are vLLM's; anything but their defaults
-        raises ValueError (no LoRA, no priority scheduling)."""
+        raises ValueError (no LoRA, no priority scheduling). data_parallel_rank: as add_request."""
         queue = await self.add_request(request_id, prompt, sampling_params, lora_request=lora_request,
-                                       priority=priority)
+                                       priority=priority, data_parallel_rank=data_parallel_rank)
         stream = self.stream_outputs(request_id, queue)
         try:
             async for output in stream:
@@ -370,7 +384,9 @@ class AsyncLLM:
         the engine-core ids that were running."""
         aborted = self.output_processor.abort_requests(request_ids)
         if self.log_stats:
-            self.stat_logger.record_finished(self.request_stats.abort(aborted))
+            for req_id in aborted:
+                self.stat_logger.record_finished(self.request_stats.abort([req_id]),
+                                                 self.engine_core.engine_index_of(req_id))
         if aborted and not self.engine_core.is_dead:
             task = asyncio.get_running_loop().create_task(self.engine_core.abort_requests_async(aborted))
             self._background_tasks.add(task)
@@ -410,9 +426,11 @@ class AsyncLLM:
         if processed.reqs_to_abort:
             await self.engine_core.abort_requests_async(processed.reqs_to_abort)
         if self.log_stats:
-            self.stat_logger.record_iteration(self.request_stats.update(outputs.outputs, processed.reqs_to_abort))
+            engine = outputs.engine_index
+            self.stat_logger.record_iteration(self.request_stats.update(outputs.outputs, processed.reqs_to_abort),
+                                              engine)
             if outputs.scheduler_stats is not None:
-                self.stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+                self.stat_logger.record_scheduler_stats(outputs.scheduler_stats, engine)
 
     def _fail_refused(self, refused: list[EngineCoreOutput]) -> list[str]:
         """Requests the engine core refused because it sleeps (another API server put it to sleep before this one

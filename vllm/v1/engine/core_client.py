@@ -1,16 +1,19 @@
-"""EngineCoreClient: how a frontend talks to its engine core, in-process or in a child process over ZMQ.
+"""EngineCoreClient: how a frontend talks to its engine core, in-process or in child processes over ZMQ.
 
 - `InprocClient`: calls an EngineCore directly; `get_output()` runs one step.
-- `SyncMPClient` / `AsyncMPClient`: start the core with `run_engine_core` in a child process, send requests
-  over an ipc:// PUSH socket and read outputs from an ipc:// PULL socket (both in a private temp dir).
-- With `vllm serve --api-server-count N`, `launch_engine_core` starts one core for N clients and gives each API
-  server process an `EngineCoreHandle`; an AsyncMPClient built with it binds that client's two addresses and
-  talks to the shared core (which it neither starts nor stops), tagging its requests with its `client_index`.
+- `SyncMPClient` / `AsyncMPClient`: start the core with `launch_engine_cores` (core_launch.py) in a child
+  process, send requests over an ipc:// PUSH socket and read outputs from an ipc:// PULL socket (both in a
+  private temp dir).
+- With `vllm serve --api-server-count N`, `launch_engine_core(s)` starts the cores for N clients and gives each
+  API server process an `EngineCoreHandle`; an AsyncMPClient built with it binds that client's addresses and
+  talks to the shared cores (which it neither starts nor stops), tagging its requests with its `client_index`.
+- With `--data-parallel-size N` there is one core per rank, one input socket per core and one output socket
+  they all push to; `DPLBAsyncMPClient` (dp_client.py) spreads requests and fans utility calls out over them.
 
 Invariants:
-- The constructor returns only after the child reported READY (model loaded, KV cache allocated); a child that
-  fails or dies during startup raises `RuntimeError` in the parent with the child's error text.
-- After startup, a core that dies or reports a fatal error makes every later `get_output*` raise
+- The constructor returns only after every child reported READY (model loaded, KV cache allocated); a child
+  that fails or dies during startup raises `RuntimeError` in the parent with the child's error text.
+- After startup, any core that dies or reports a fatal error makes every later `get_output*` raise
   `EngineDeadError`; `is_dead` tells without blocking (the process sentinel, or for a shared core its pid, is
   checked at every poll timeout; the launcher reaps a dead core at once, so the pid disappears).
 - Utility calls (`call_utility`, `call_utility_async`: EngineCore.UTILITY_METHODS by name) return the method's
@@ -24,14 +27,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
-import os
 import pickle
 import shutil
-import tempfile
 import weakref
 from collections.abc import Callable
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -39,8 +39,14 @@ import zmq.asyncio
 
 from vllm.config import VllmConfig
 from vllm.v1.engine import Deferred, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from vllm.v1.engine.core_proc import ERROR, OUTPUTS, READY, UTILITY_RESULT, run_engine_core
+from vllm.v1.engine.core_launch import (EngineCoreHandle, data_parallel_size_of, launch_engine_core,
+                                        launch_engine_cores, pid_alive)
+from vllm.v1.engine.core_proc import ERROR, OUTPUTS, READY, UTILITY_RESULT
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+__all__ = ["AsyncMPClient", "EngineCoreClient", "EngineCoreHandle", "EngineDeadError", "InprocClient", "MPClient",
+           "SyncMPClient", "launch_engine_core", "launch_engine_cores", "make_async_client",
+           "refuse_offline_data_parallel"]
 
 # NOTE: how often a waiting client checks that the core process is still alive.
 _POLL_MS = 200
@@ -51,47 +57,6 @@ class EngineDeadError(RuntimeError):
     """The engine-core process died or failed; the frontend cannot serve requests any more."""
 
 
-@dataclass(frozen=True)
-class EngineCoreHandle:
-    """How one frontend reaches a core started by `launch_engine_core` (picklable, for spawned API servers)."""
-    input_address: str
-    output_address: str
-    core_pid: int
-    client_index: int
-
-
-def launch_engine_core(vllm_config: VllmConfig, num_clients: int,
-                       engine_core_factory: Callable[[VllmConfig], Any] | None = None,
-                       start_method: str = "spawn") -> tuple[multiprocessing.process.BaseProcess, list[EngineCoreHandle], str]:
-    """Start one engine-core process for `num_clients` frontends -> (process, one handle per client, the temp
-    dir of the ipc addresses, to remove after the core exited). The caller owns the process: it must reap it
-    when it dies (`join`) and stop it at the end."""
-    tmp_dir = tempfile.mkdtemp(prefix="vllm-core-")
-    inputs = [f"ipc://{os.path.join(tmp_dir, f'input{i}')}" for i in range(num_clients)]
-    outputs = [f"ipc://{os.path.join(tmp_dir, f'output{i}')}" for i in range(num_clients)]
-    proc = multiprocessing.get_context(start_method).Process(
-        target=run_engine_core, name="EngineCore", daemon=True,
-        args=(vllm_config, inputs, outputs, os.getpid(), engine_core_factory))
-    proc.start()
-    assert proc.pid is not None
-    return proc, [EngineCoreHandle(inputs[i], outputs[i], proc.pid, i) for i in range(num_clients)], tmp_dir
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # NOTE: a dead child its parent has not reaped yet is a zombie, still signalable.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 class EngineCoreClient:
     """Base interface; `make_client` picks the implementation."""
 
@@ -100,7 +65,8 @@ class EngineCoreClient:
         if asyncio_mode:
             if not multiprocess_mode:
                 raise ValueError("The asyncio engine-core client needs multiprocess_mode=True.")
-            return AsyncMPClient(vllm_config)
+            return make_async_client(vllm_config)
+        refuse_offline_data_parallel(vllm_config)
         return SyncMPClient(vllm_config) if multiprocess_mode else InprocClient(vllm_config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -168,10 +134,12 @@ class InprocClient(EngineCoreClient):
         return result
 
 
-def _shutdown_resources(proc: multiprocessing.process.BaseProcess | None, sockets: list[zmq.Socket],
+def _shutdown_resources(procs: list[multiprocessing.process.BaseProcess], sockets: list[zmq.Socket],
                         ctx: zmq.Context, tmp_dir: str | None) -> None:
-    if proc is not None and proc.is_alive():
-        proc.terminate()
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
         proc.join(5)
         if proc.is_alive():
             proc.kill()
@@ -184,28 +152,32 @@ def _shutdown_resources(proc: multiprocessing.process.BaseProcess | None, socket
 
 
 class MPClient(EngineCoreClient):
-    """Starts the core process (or joins a shared one: `handle`) and owns the sockets; subclasses add sync or
-    asyncio I/O."""
+    """Starts the core processes (`launch_engine_cores`: one per data-parallel rank) or joins shared ones
+    (`handle`), and owns the sockets: one input socket per engine core, one output socket that all of them push
+    to; subclasses add sync or asyncio I/O. Without data parallel everything goes to engine 0."""
 
     def __init__(self, vllm_config: VllmConfig, asyncio_mode: bool,
                  engine_core_factory: Callable[[VllmConfig], Any] | None = None,
                  start_method: str = "spawn", handle: EngineCoreHandle | None = None) -> None:
-        self.handle = handle
-        self.client_index = handle.client_index if handle is not None else 0
-        self.tmp_dir = tempfile.mkdtemp(prefix="vllm-core-") if handle is None else None
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.tmp_dir: str | None = None
         if handle is None:
-            assert self.tmp_dir is not None
-            input_address = f"ipc://{os.path.join(self.tmp_dir, 'input')}"
-            output_address = f"ipc://{os.path.join(self.tmp_dir, 'output')}"
-        else:
-            input_address, output_address = handle.input_address, handle.output_address
+            self.procs, handles, self.tmp_dir = launch_engine_cores(vllm_config, 1, engine_core_factory,
+                                                                    start_method)
+            handle = handles[0]
+        self.handle = handle
+        self.client_index = handle.client_index
         self.ctx: zmq.Context = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
-        self.input_socket = self.ctx.socket(zmq.PUSH)
-        self.input_socket.setsockopt(zmq.SNDHWM, 0)
-        self.input_socket.bind(input_address)
+        self.input_sockets: list[zmq.Socket] = []
+        for address in handle.input_addresses:
+            socket = self.ctx.socket(zmq.PUSH)
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.bind(address)
+            self.input_sockets.append(socket)
+        self.input_socket = self.input_sockets[0]
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
-        self.output_socket.bind(output_address)
+        self.output_socket.bind(handle.output_address)
         self.encoder = MsgpackEncoder()
         self.outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
         self.generic_decoder = MsgpackDecoder()
@@ -213,49 +185,73 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count()
         # Utility results that arrived: call id -> (ok, value); the async client resolves futures instead.
         self._results: dict[int, tuple[bool, Any]] = {}
-
-        self.proc: multiprocessing.process.BaseProcess | None = None
-        if handle is None:
-            self.proc = multiprocessing.get_context(start_method).Process(
-                target=run_engine_core, name="EngineCore", daemon=True,
-                args=(vllm_config, input_address, output_address, os.getpid(), engine_core_factory))
-            self.proc.start()
-        self._finalizer = weakref.finalize(self, _shutdown_resources, self.proc,
-                                           [self.input_socket, self.output_socket], self.ctx, self.tmp_dir)
+        self._finalizer = weakref.finalize(self, _shutdown_resources, self.procs,
+                                           [*self.input_sockets, self.output_socket], self.ctx, self.tmp_dir)
         try:
-            self.ready_info = self._wait_for_ready()
+            # One READY payload per engine core, in rank order; ready_info is engine 0's.
+            self.engines_ready_info = self._wait_for_ready()
         except BaseException:
             self.shutdown()
             raise
+        self.ready_info = self.engines_ready_info[0]
 
-    def _wait_for_ready(self) -> dict[str, Any]:
+    @property
+    def proc(self) -> multiprocessing.process.BaseProcess | None:
+        """Engine 0's process when this client started it."""
+        return self.procs[0] if self.procs else None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.input_sockets)
+
+    def engine_index_of(self, request_id: str) -> int:
+        """The engine core (data-parallel rank) a request went to: 0 without data parallel."""
+        return 0
+
+    def _wait_for_ready(self) -> list[dict[str, Any]]:
         # NOTE: a plain (sync) socket is needed for the handshake even in asyncio mode.
         sync_socket = zmq.Socket.shadow(self.output_socket.underlying)
         poller = zmq.Poller()
         poller.register(sync_socket, zmq.POLLIN)
+        ready: dict[int, dict[str, Any]] = {}
         waited_ms = 0
-        while not poller.poll(_POLL_MS):
-            waited_ms += _POLL_MS
-            if not self._core_alive():
-                raise RuntimeError(f"Engine core process exited with code {self._core_exitcode()} during startup; "
-                                   "see its log above for the reason.")
-            if waited_ms > STARTUP_TIMEOUT_S * 1000:
-                raise RuntimeError(f"Engine core did not start within {STARTUP_TIMEOUT_S:.0f} s.")
-        kind, payload = sync_socket.recv_multipart()
-        if kind == ERROR:
-            raise RuntimeError(f"Engine core failed to start: {self.generic_decoder.decode(payload)}")
-        if kind != READY:
-            raise RuntimeError(f"Unexpected first message from the engine core: {kind!r}.")
-        return dict(self.generic_decoder.decode(payload))
+        while len(ready) < self.data_parallel_size:
+            if not poller.poll(_POLL_MS):
+                waited_ms += _POLL_MS
+                if not self._core_alive():
+                    raise RuntimeError(f"Engine core process exited with code {self._core_exitcode()} during "
+                                       "startup; see its log above for the reason.")
+                if waited_ms > STARTUP_TIMEOUT_S * 1000:
+                    raise RuntimeError(f"Engine core did not start within {STARTUP_TIMEOUT_S:.0f} s.")
+                continue
+            kind, payload = sync_socket.recv_multipart()
+            if kind == ERROR:
+                raise RuntimeError(f"Engine core failed to start: {self.generic_decoder.decode(payload)}")
+            if kind != READY:
+                raise RuntimeError(f"Unexpected first message from the engine core: {kind!r}.")
+            info = dict(self.generic_decoder.decode(payload))
+            ready[int(info.get("engine_index", 0))] = info
+        return [ready[e] for e in range(self.data_parallel_size)]
+
+    def _dead_engine(self) -> int | None:
+        """The rank of an engine core whose process is gone, or None."""
+        for e, pid in enumerate(self.handle.core_pids):
+            if self.procs:
+                if not self.procs[e].is_alive():
+                    return e
+            elif not pid_alive(pid):
+                return e
+        return None
 
     def _core_alive(self) -> bool:
-        if self.proc is not None:
-            return self.proc.is_alive()
-        assert self.handle is not None
-        return _pid_alive(self.handle.core_pid)
+        return self._dead_engine() is None
 
     def _core_exitcode(self) -> int | str | None:
-        return self.proc.exitcode if self.proc is not None else "unknown (a shared core)"
+        e = self._dead_engine()
+        if e is None:
+            return None
+        code = self.procs[e].exitcode if self.procs else "unknown (a shared core)"
+        return code if self.data_parallel_size == 1 else f"{code}, data-parallel rank {e}"
 
     @property
     def is_dead(self) -> bool:
@@ -394,11 +390,15 @@ class AsyncMPClient(MPClient):
     async def call_utility_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call an engine-core utility and await its result. Someone must be reading the output socket
         (AsyncLLM's output loop, which its callers start first)."""
+        return await self.call_engine_async(0, method, args, kwargs)
+
+    async def call_engine_async(self, engine: int, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A utility call to one engine core (its data-parallel rank)."""
         self._check_alive()
         call_id = next(self._call_ids)
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:
-            await self.input_socket.send_multipart(self._utility_frames(call_id, method, args, kwargs))
+            await self.input_sockets[engine].send_multipart(self._utility_frames(call_id, method, args, kwargs))
             return await future
         finally:
             self._calls.pop(call_id, None)
@@ -430,3 +430,24 @@ class AsyncMPClient(MPClient):
         """Return once the core process has exited (for the server's watchdog)."""
         while not self.is_dead:
             await asyncio.sleep(_POLL_MS / 1000)
+
+
+def make_async_client(vllm_config: VllmConfig, handle: EngineCoreHandle | None = None) -> AsyncMPClient:
+    """The asyncio client of AsyncLLM: over several engine cores (DPLBAsyncMPClient) with data parallel."""
+    num_engines = handle.data_parallel_size if handle is not None else data_parallel_size_of(vllm_config)
+    if num_engines > 1:
+        from vllm.v1.engine.dp_client import DPLBAsyncMPClient
+        return DPLBAsyncMPClient(vllm_config, handle=handle)
+    return AsyncMPClient(vllm_config, handle=handle)
+
+
+def refuse_offline_data_parallel(vllm_config: VllmConfig | None) -> None:
+    """LLM / LLMEngine drive one engine core: data_parallel_size > 1 is refused by name (vLLM's offline data
+    parallel is one process per rank, each with its own LLM on its share of the prompts: do that here too)."""
+    num_engines = data_parallel_size_of(vllm_config)
+    if num_engines > 1:
+        raise ValueError(
+            f"data_parallel_size={num_engines} is not supported by the offline engine (LLM, LLMEngine): it drives "
+            "one engine core. Serve with `vllm serve --data-parallel-size N` (or AsyncLLM), or run one process per "
+            "rank, each with its own LLM (data_parallel_size=1, CUDA_VISIBLE_DEVICES set to that rank's GPUs) on "
+            "its share of the prompts, as vLLM's offline data-parallel example does.")

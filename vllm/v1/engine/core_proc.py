@@ -7,7 +7,7 @@ request ids)` (ABORT), or for UTILITY `(client index, call id)` and a third fram
 kwargs)` (one of EngineCore.UTILITY_METHODS, or "shutdown"). Frames to a frontend (our PUSH -> its PULL):
 `[kind, payload, ...]` with kind one of:
 - `READY`: sent once to every client after the model loaded and the KV cache was allocated; payload
-  `{"num_gpu_blocks": n, "pid": pid}`;
+  `{"num_gpu_blocks": n, "pid": pid, "engine_index": data-parallel rank}`;
 - `OUTPUTS`: an encoded EngineCoreOutputs, its large arrays (sampling masks) in frames of their own after it
   (MsgpackEncoder.encode_frames);
 - `ERROR`: a fatal error (at startup or in a step) as text, to every client; the process exits non-zero;
@@ -15,6 +15,10 @@ kwargs)` (one of EngineCore.UTILITY_METHODS, or "shutdown"). Frames to a fronten
   or (ok False) the exception it raised (a ValueError stays a ValueError); `text` describes it for a client that
   cannot unpickle it. A call's failure never stops the core (unless a step it drained failed: EngineStepError),
   and a call that cannot be unpickled here is answered with its error.
+
+With data parallel (docs/parallelism.md) there is one such process per rank: each pulls from its own input
+address of every client and pushes to every client's one output address, which all ranks share; every OUTPUTS
+message carries the sender's rank (`EngineCoreOutputs.engine_index`).
 
 Invariants:
 - Every input that is waiting is handled before the next step, so an ABORT frees its KV blocks before the
@@ -71,10 +75,13 @@ class EngineCoreProc:
 
     # Utility calls whose result is not ready yet: (client, call id, Deferred); replaced, never mutated in place.
     deferred_calls: tuple[tuple[int, int, Deferred], ...] = ()
+    # This core's data-parallel rank, stamped on every OUTPUTS message.
+    engine_index: int = 0
 
     def __init__(self, engine_core: Any, input_addresses: list[str], output_addresses: list[str],
-                 parent_pid: int) -> None:
+                 parent_pid: int, engine_index: int = 0) -> None:
         self.engine_core = engine_core
+        self.engine_index = engine_index
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
@@ -93,10 +100,14 @@ class EngineCoreProc:
         self.should_stop = False
 
     def send(self, kind: bytes, payload: Any, client: int = 0) -> None:
+        if kind == OUTPUTS:
+            payload.engine_index = self.engine_index
         # NOTE: zero-copy frames; sending them copied measured no gain on the H200 (docs/benchmarks.md history).
         self.output_sockets[client].send_multipart((kind, *self.encoder.encode_frames(payload)), copy=False)
 
     def broadcast(self, kind: bytes, payload: Any) -> None:
+        if kind == OUTPUTS:
+            payload.engine_index = self.engine_index
         frames = (kind, *self.encoder.encode_frames(payload))
         for socket in self.output_sockets:
             socket.send_multipart(frames, copy=False)
@@ -307,9 +318,10 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
 
 
 def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], output_address: str | list[str],
-                    parent_pid: int, engine_core_factory: Callable[[VllmConfig], Any] | None = None) -> None:
+                    parent_pid: int, engine_core_factory: Callable[[VllmConfig], Any] | None = None,
+                    engine_index: int = 0) -> None:
     """Entry point of the engine-core process (multiprocessing target); a list of addresses per side (same
-    length) serves several clients, client i on the i-th pair."""
+    length) serves several clients, client i on the i-th pair. engine_index: this core's data-parallel rank."""
     input_addresses = [input_address] if isinstance(input_address, str) else list(input_address)
     output_addresses = [output_address] if isinstance(output_address, str) else list(output_address)
     signal.signal(signal.SIGTERM, _raise_system_exit)
@@ -333,13 +345,13 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
             _report_startup_error(ctx, output_addresses, e)
             exit_code = 1
             return
-        proc = EngineCoreProc(engine_core, input_addresses, output_addresses, parent_pid)
+        proc = EngineCoreProc(engine_core, input_addresses, output_addresses, parent_pid, engine_index)
         # NOTE: the start-up objects (model, graphs, buffers) move to a permanent generation, so the cyclic GC's
         # full collections during serving do not walk them again (each one would stall a step); then the serving
         # thresholds: on Python's defaults a full collection ran every ~0.5 s at ~1000 rows (vllm/v1/serving_gc.py).
         freeze_startup_heap()
         proc.broadcast(READY, {"num_gpu_blocks": int(getattr(engine_core, "num_gpu_blocks", 0) or 0),
-                          "pid": os.getpid()})
+                               "pid": os.getpid(), "engine_index": engine_index})
         proc.run_busy_loop()
     except SystemExit:
         pass

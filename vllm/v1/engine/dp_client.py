@@ -1,0 +1,203 @@
+"""DPLBAsyncMPClient: one frontend's client of several engine cores (data parallel), load-balanced.
+
+Requests: a request with `data_parallel_rank` set (the X-data-parallel-rank header, or AsyncLLM.generate's
+argument) goes to that engine core; any other goes to the least loaded one, scored as vLLM's DP load balancer
+scores them: the larger of this client's requests in flight on the engine times the number of API servers, and
+the engine's last reported waiting + running requests (its scheduler stats, which every API server receives),
+with waiting requests counted heavier when the engine's KV cache is over half full. Ties go round-robin from an
+index spread over the API servers. Aborts go to the engine that holds each request.
+
+Utility calls (pause, resume, sleep, wake_up, reset_prefix_cache, weight updates, collective_rpc, ...) go to
+every engine core at once and return when all answered: collective_rpc's results are one list, the engines' in
+rank order (each engine's workers in their rank order); reset_prefix_cache is True only when every engine reset
+its cache, wake_up only when every engine is fully awake; abort_all_requests counts over all engines; is_paused
+and is_sleeping are True when any engine is; any other call returns rank 0's result. When any engine raised, the call raises the lowest rank's exception (after
+all answered). The ranks that join a trainer's NCCL group (init_weight_transfer_engine, init_broadcaster) are
+offset per engine by `rank * tensor_parallel_size`, so every worker of every engine has its own rank.
+
+Invariants:
+- `reqs_in_flight` holds exactly the requests this client sent and has not seen finish (a finished output, an
+  abort reported by the core, or an abort sent from here), each with its engine; `engine_inflight` counts them
+  per engine.
+- Any engine core that dies makes the whole client dead (EngineDeadError names its rank): the frontend serves
+  from all its engines or from none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine.core_client import AsyncMPClient
+from vllm.v1.engine.core_launch import EngineCoreHandle
+
+# The data-parallel rank the HTTP request being handled asked for (X-data-parallel-rank), for AsyncLLM.add_request
+# when its caller passes none; set by the server's routes (api_server.py) in the request's own task.
+current_data_parallel_rank: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "current_data_parallel_rank", default=None)
+
+# vLLM's header naming a request's engine core (header names are case-insensitive).
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
+# NOTE: vLLM's weighting of waiting requests on a KV-bound engine: none at up to half the KV cache in use, rising to
+# 3 extra per waiting request when it is full.
+_KV_WAITING_WEIGHT = 6.0
+_KV_WAITING_FROM = 0.5
+
+
+def check_data_parallel_rank(rank: Any, data_parallel_size: int,
+                             parameter: str = "data_parallel_rank") -> int | None:
+    """A request's data_parallel_rank: None, or an int in [0, data_parallel_size) (VLLMValidationError else)."""
+    if rank is None:
+        return None
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise VLLMValidationError(f"{parameter} must be an integer, got {rank!r}.", parameter=parameter, value=rank)
+    if not 0 <= rank < data_parallel_size:
+        raise VLLMValidationError(f"{parameter} {rank} is out of range [0, {data_parallel_size}).",
+                                  parameter=parameter, value=rank)
+    return rank
+
+
+def parse_data_parallel_rank_header(value: str | None, data_parallel_size: int) -> int | None:
+    """The X-data-parallel-rank header's rank (None when absent); VLLMValidationError for a value that is not an
+    integer in range (vLLM ignores a non-integer one; here it is refused, never dropped)."""
+    if value is None:
+        return None
+    try:
+        rank = int(value.strip())
+    except ValueError:
+        raise VLLMValidationError(f"The {DATA_PARALLEL_RANK_HEADER} header must be an integer, got {value!r}.",
+                                  parameter=DATA_PARALLEL_RANK_HEADER, value=value) from None
+    return check_data_parallel_rank(rank, data_parallel_size, DATA_PARALLEL_RANK_HEADER)
+
+
+def _combine(method: str, results: list[Any]) -> Any:
+    """One result from every engine's (rank order), as the module docstring says."""
+    if method == "collective_rpc":
+        return [r for engine_results in results for r in engine_results]
+    if method in ("reset_prefix_cache", "wake_up"):
+        return all(results)
+    if method == "abort_all_requests":
+        return sum(results)
+    if method in ("is_paused", "is_sleeping"):
+        return any(results)
+    return results[0]
+
+
+class DPLBAsyncMPClient(AsyncMPClient):
+    def __init__(self, vllm_config: VllmConfig, engine_core_factory: Callable[[VllmConfig], Any] | None = None,
+                 start_method: str = "spawn", handle: EngineCoreHandle | None = None) -> None:
+        super().__init__(vllm_config, engine_core_factory, start_method, handle)
+        num_engines = self.data_parallel_size
+        self.tensor_parallel_size = int(vllm_config.parallel_config.tensor_parallel_size) \
+            if vllm_config is not None else 1
+        self.client_count = self.handle.num_clients
+        self.reqs_in_flight: dict[str, int] = {}
+        self.engine_inflight = [0] * num_engines
+        # Per engine: [waiting, running, kv_cache_usage] from its last scheduler stats (waiting raised here by
+        # each request sent since).
+        self.lb_engines: list[list[float]] = [[0, 0, 0.0] for _ in range(num_engines)]
+        self.eng_start_index = num_engines * self.client_index // self.client_count
+
+    # ------------------------------------------------------------------ requests
+
+    def choose_engine(self, request: EngineCoreRequest) -> int:
+        """The engine for `request` (its data_parallel_rank, or the least loaded); records it as in flight."""
+        num_engines = self.data_parallel_size
+        engine = request.data_parallel_rank
+        if engine is not None:
+            check_data_parallel_rank(engine, num_engines)
+        else:
+            best = float(sys.maxsize)
+            engine = 0
+            for i in range(num_engines):
+                idx = (self.eng_start_index + i) % num_engines
+                waiting, running, kv_usage = self.lb_engines[idx]
+                score = max(self.client_count * self.engine_inflight[idx], waiting + running)
+                if waiting:
+                    score += waiting * _KV_WAITING_WEIGHT * max(0.0, kv_usage - _KV_WAITING_FROM)
+                if score < best:
+                    best, engine = score, idx
+            self.lb_engines[engine][0] += self.client_count
+            # NOTE: the next scan starts one further, so equal scores do not keep favouring one engine.
+            self.eng_start_index = (self.eng_start_index + 1) % num_engines
+        self.reqs_in_flight[request.request_id] = engine
+        self.engine_inflight[engine] += 1
+        return engine
+
+    def engine_index_of(self, request_id: str) -> int:
+        """The engine a request in flight went to (0 when unknown)."""
+        return self.reqs_in_flight.get(request_id, 0)
+
+    def _finished(self, request_id: str) -> None:
+        engine = self.reqs_in_flight.pop(request_id, None)
+        if engine is not None:
+            self.engine_inflight[engine] -= 1
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        engine = self.choose_engine(request)
+        try:
+            await self.input_sockets[engine].send_multipart(self._add_frames(request), copy=False)
+        except BaseException:
+            self._finished(request.request_id)
+            raise
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if not request_ids or self.is_dead:
+            return
+        by_engine: dict[int, list[str]] = {}
+        for req_id in request_ids:
+            engine = self.reqs_in_flight.get(req_id)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(req_id)
+                self._finished(req_id)
+        for engine, req_ids in by_engine.items():
+            await self.input_sockets[engine].send_multipart(self._abort_frames(req_ids), copy=False)
+
+    def _decode_output(self, frames: list[zmq.Frame]) -> EngineCoreOutputs | None:
+        outputs = super()._decode_output(frames)
+        if outputs is None:
+            return None
+        stats = outputs.scheduler_stats
+        if stats is not None and 0 <= outputs.engine_index < len(self.lb_engines):
+            self.lb_engines[outputs.engine_index] = [stats.num_waiting_reqs, stats.num_running_reqs,
+                                                     stats.kv_cache_usage]
+        for output in outputs.outputs:
+            if output.finish_reason is not None:
+                self._finished(output.request_id)
+        for req_id in outputs.finished_requests or ():
+            self._finished(req_id)
+        return outputs
+
+    # ------------------------------------------------------------------ utility calls
+
+    async def call_utility_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The call on every engine core; one combined result (module docstring)."""
+        calls = [self.call_engine_async(e, method, self._engine_args(method, args, e), kwargs)
+                 for e in range(self.data_parallel_size)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return _combine(method, results)
+
+    def _engine_args(self, method: str, args: tuple, engine: int) -> tuple:
+        """`args` for `engine`: its workers' ranks in a trainer's NCCL group come after the lower ranks' workers."""
+        offset = engine * self.tensor_parallel_size
+        if not offset:
+            return args
+        if method == "init_weight_transfer_engine" and args and isinstance(args[0], dict) \
+                and "rank_offset" in args[0]:
+            return ({**args[0], "rank_offset": int(args[0]["rank_offset"]) + offset}, *args[1:])
+        if method == "init_broadcaster" and len(args) >= 3:
+            return (*args[:2], int(args[2]) + offset, *args[3:])
+        return args
