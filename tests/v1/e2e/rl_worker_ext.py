@@ -91,3 +91,7 @@ def unpicklable_result(worker: Any) -> Any:
 def worker_pid(worker: Any) -> int:
     import os
     return os.getpid()
+
+
+def dp_and_tp_rank(worker: Any) -> list[int]:
+    return [worker.parallel_config.data_parallel_rank, worker.rank]

@@ -4,7 +4,7 @@ TP=4 (async scheduling, two steps in flight on every rank) equal TP=1's in float
 rank in rank order (worker methods, a worker extension, a callable) with each rank's own rank, device and
 process; sleep and wake-up reach every rank; weight updates under TP=2 (from disk, and over the nccl backend with
 world_size = 1 + ranks, gloo on CPU, the trainer in its own process) give the outputs of a fresh TP=1 engine on
-the checkpoint sent; a killed worker process ends in EngineDeadError, not a hang.
+the checkpoint sent; a killed worker process ends in EngineDeadError, not a hang; DP=2 x TP=2 engines.
 
 Every rank holds its shard of the model (docs/parallelism.md, "Tensor parallel"), so equality with TP=1 checks the
 sharded forward, the gathered logits and the per-rank weight loading together."""
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch.distributed
 from rl_checkpoints import bundled_weights, perturbed_weights, write_checkpoint
-from rl_worker_ext import param_sum, rank_and_double, unpicklable_result, worker_rank
+from rl_worker_ext import dp_and_tp_rank, param_sum, rank_and_double, unpicklable_result, worker_rank
 
 from vllm import LLM, SamplingParams
 from vllm.utils import get_open_port
@@ -221,3 +221,26 @@ def test_worker_start_up_failure_fails_the_engine_start() -> None:
     with pytest.raises(RuntimeError, match="Engine core"):
         LLM(**ENGINE, tensor_parallel_size=2, worker_extension_cls="rl_worker_ext_rank0_only.Extension")
     assert time.monotonic() - start < 120
+
+
+def test_data_parallel_engines_of_two_ranks_each(reference: dict[str, Outputs]) -> None:
+    """DP=2 x TP=2 (AsyncLLM): each engine core has its own tensor-parallel world; collective_rpc reaches the four
+    workers (engine by engine, rank by rank), and a seeded request with masks on either engine equals TP=1's."""
+    import asyncio
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**ENGINE, tensor_parallel_size=2, data_parallel_size=2))
+        try:
+            assert await engine.collective_rpc(dp_and_tp_rank) == [[0, 0], [0, 1], [1, 0], [1, 1]]
+            want = reference["old"][len(PROMPTS)]  # the first prompt's seeded tokens and masks
+            for rank in (0, 1):
+                final = [o async for o in engine.generate(PROMPTS[0], SEEDED, f"r{rank}",
+                                                          data_parallel_rank=rank)][-1].outputs[0]
+                assert (list(final.token_ids), [list(m) for m in final.sampling_mask.token_ids]) == want
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
