@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
