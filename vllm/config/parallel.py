@@ -1,8 +1,8 @@
 """ParallelConfig: how the model and the sampler are spread over devices, and how many engines serve.
 
 Data parallel (docs/parallelism.md): `data_parallel_size` engine cores, each with its own copy of the model and its
-own tensor-parallel group (vllm/v1/executor/); the launcher gives engine i a copy of the config with `data_parallel_rank = i`.
-Engines of a dense model share nothing at run time (no process group spans them)."""
+own tensor-parallel group (vllm/v1/executor/); the launcher gives engine i a copy of the config with
+`data_parallel_rank = i`. Engines of a dense model share nothing at run time (no process group spans them)."""
 
 from __future__ import annotations
 
