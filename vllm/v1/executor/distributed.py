@@ -5,7 +5,8 @@ of every rank made for this channel alone (torch.distributed's `broadcast_object
 runs it. Messages, pickled once by the driver:
 - `("step", scheduler_output, launch_async)`: every rank runs the step (the forward's collectives need them all);
   every rank samples the same gathered logits with the same random state, so each keeps the sampled ids its next
-  step feeds back on its device, and only the driver's output goes to the scheduler. With launch_async a rank
+  step feeds back on its device, and only the driver's output goes to the scheduler (the other ranks copy only
+  the sampled ids to the host: ModelRunner.is_driver_worker). With launch_async a rank
   keeps up to two steps in flight and reads the older one's output after launching the newer, as the engine
   core's batch queue does on the driver.
 - `("call", method, args, kwargs, checked)`: every rank finishes its steps in flight, then runs the worker method

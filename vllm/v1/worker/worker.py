@@ -58,6 +58,7 @@ class Worker:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         self.model_runner = ModelRunner(vllm_config)
+        self.model_runner.is_driver_worker = rank == 0
         # Sleep mode (vllm/v1/worker/sleep.py): the weights move into their own region now, the KV cache is made
         # in one; torch's peak then no longer counts the weights (determine_num_blocks adds them).
         self.sleeper = Sleeper(self.model_runner.model, self.device) if self.model_config.enable_sleep_mode else None
