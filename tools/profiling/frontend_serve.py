@@ -40,6 +40,7 @@ import numpy as np
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput, SamplingMaskLists, SamplingMaskText
 from vllm.v1.sample.sampling_mask import group_order
 
@@ -128,6 +129,9 @@ def replay_core(vllm_config: Any, device_ms: float, device_ms_per_row: float, ma
             self.scheduler = Scheduler(vllm_config, self.num_gpu_blocks)
             self.batch_queue = deque()
             self.worker = _ReplayWorker(vllm_config, self.scheduler, device_ms, device_ms_per_row, mask_size)
+            # NOTE: the one-rank executor over the replay worker, without building a real one.
+            self.model_executor = UniProcExecutor.__new__(UniProcExecutor)
+            self.model_executor.driver_worker = self.worker
             self._init_lifecycle()
 
     return ReplayCore()

@@ -11,7 +11,7 @@ import torch
 
 from vllm.config.cache import CacheConfig
 from vllm.config.model import ModelConfig
-from vllm.config.parallel import ParallelConfig
+from vllm.config.parallel import ParallelConfig, check_tensor_parallel
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.weight_transfer import WeightTransferConfig
 
@@ -56,6 +56,7 @@ class VllmConfig:
         assert self.model_config.max_model_len is not None
         self.scheduler_config.max_model_len = self.model_config.max_model_len
         self.model_config.verify_with_parallel_config(self.parallel_config)
+        check_tensor_parallel(self.parallel_config, self.device_config.device)
         if self.scheduler_config.async_scheduling is None:
             self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda"
         if self.model_config.return_sampling_mask:

@@ -1,22 +1,26 @@
 """ParallelConfig: how the model and the sampler are spread over devices, and how many engines serve.
 
 Data parallel (docs/parallelism.md): `data_parallel_size` engine cores, each with its own copy of the model and its
-own (future) tensor-parallel group; the launcher gives engine i a copy of the config with `data_parallel_rank = i`.
-Engines of a dense model share nothing at run time (no process group spans them)."""
+own tensor-parallel group (vllm/v1/executor/); the launcher gives engine i a copy of the config with
+`data_parallel_rank = i`. Engines of a dense model share nothing at run time (no process group spans them)."""
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
 
-# NOTE: vLLM's names for a single worker (uni) and for worker processes (mp); both run the one executor here.
-EXECUTOR_BACKENDS = (None, "uni", "mp")
+import torch
+
+# vLLM's names: one worker in the engine core's process (uni), one process per rank on this node (mp), Ray actors
+# placed by a placement group (ray); vllm/v1/executor/.
+EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 
 
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    """Number of tensor-parallel ranks (only 1 is supported yet)."""
+    """Number of tensor-parallel ranks: one worker per rank (docs/parallelism.md); it must divide the model's
+    attention heads."""
     data_parallel_size: int = 1
     """Number of engine cores serving the model, each its own process with a whole copy of the model (and its own
     tensor-parallel group); the API servers spread requests over them by load. Served by `vllm serve` / AsyncLLM;
@@ -29,8 +33,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Number of pipeline stages; only 1 (no pipeline parallelism)."""
     distributed_executor_backend: str | None = None
-    """None, uni or mp: all mean the one executor there is, the model in the engine core's own process; ray and
-    external_launcher are refused."""
+    """uni (one worker, in the engine core's process), mp (rank 0 there, ranks 1..N-1 in processes of their own on
+    this node) or ray (ranks 1..N-1 as Ray actors of a placement group); None: uni for one rank, else mp.
+    external_launcher is refused."""
     enable_expert_parallel: bool = False
     """Only False: there is no expert parallelism (nor a mixture-of-experts model)."""
     worker_extension_cls: str = ""
@@ -50,15 +55,13 @@ class ParallelConfig:
                              f"{self.data_parallel_size}).")
         if self.worker_extension_cls:
             resolve_worker_extension(self.worker_extension_cls)  # NOTE: here, so that a bad path fails early
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: this engine "
-                             "runs on one device; use --tensor-parallel-size 1.")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}.")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: this engine "
                              "runs on one device; use --pipeline-parallel-size 1.")
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not supported: "
-                             "this engine has a single-process executor only; use None, 'uni' or 'mp'.")
+        self._resolve_executor_backend()
         if self.enable_expert_parallel:
             raise ValueError("enable_expert_parallel=True is not supported: this engine has no expert parallelism; "
                              "use enable_expert_parallel=False (--no-enable-expert-parallel).")
@@ -66,6 +69,40 @@ class ParallelConfig:
             raise ValueError("enable_batch_sharded_sampling=True is not supported with tensor_parallel_size > 1: the "
                              "logits are gathered to every rank and sampled once for the whole batch "
                              "(docs/parallelism.md); drop --enable-batch-sharded-sampling.")
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine: tensor_parallel_size (no pipeline stages)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _resolve_executor_backend(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend == "external_launcher":
+            raise ValueError("distributed_executor_backend='external_launcher' is not supported: this engine starts "
+                             "its own workers; use 'mp' (one node) or 'ray'.")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r} is not supported; use 'uni', 'mp' or 'ray'.")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size="
+                             f"{self.tensor_parallel_size} needs {self.world_size}; use 'mp' or 'ray'.")
+        if backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+
+
+def check_tensor_parallel(parallel_config: ParallelConfig, device: str) -> None:
+    """tensor_parallel_size against the devices (one CUDA device per rank on this node, unless Ray places the
+    ranks; rank r runs on cuda:r, so no index is given). The model's side: ModelConfig.verify_with_parallel_config."""
+    tp = parallel_config.tensor_parallel_size
+    if tp == 1:
+        return
+    if device.startswith("cuda:"):
+        raise ValueError(f"device={device!r} names one device, but tensor_parallel_size={tp} puts rank r on cuda:r; "
+                         "use device=cuda (and CUDA_VISIBLE_DEVICES to choose the devices).")
+    if device == "cuda" and parallel_config.distributed_executor_backend != "ray":
+        num_devices = torch.cuda.device_count()
+        if tp > num_devices:
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, but {num_devices} are visible; "
+                             "lower it, or use --distributed-executor-backend ray to place ranks on other nodes.")
 
 
 def resolve_worker_extension(qualname: str | type) -> type:

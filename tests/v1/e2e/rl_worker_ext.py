@@ -31,6 +31,11 @@ class ProbeExtension:
         import torch.distributed as dist
         return [dist.is_initialized(), dist.get_rank(), dist.get_world_size()]
 
+    def probe_pid(self) -> int:
+        """This rank's process id (the tensor-parallel tests kill a worker by it)."""
+        import os
+        return os.getpid()
+
     def probe_parallel(self) -> list[int]:
         """The data-parallel rank and size of this worker's engine core (the config copy its launcher gave it)."""
         parallel = self.parallel_config  # type: ignore[attr-defined]
@@ -62,3 +67,31 @@ class FrameworkStyleExtension:
             worker.model_runner.model.load_weights(weights=list(weights.items()))
         process_weights_after_loading(worker.model_runner.model, worker.model_config, worker.device)
         return current_platform.device_type
+
+
+# Callables for collective_rpc across processes: sent by reference (pickle), so they live in an importable module.
+
+def rank_and_double(worker: Any, x: int) -> tuple[int, int]:
+    return worker.rank, 2 * x
+
+
+def worker_rank(worker: Any) -> int:
+    return worker.rank
+
+
+def param_sum(worker: Any, name: str) -> float:
+    return float(dict(worker.model_runner.model.named_parameters())[name].double().sum())
+
+
+def unpicklable_result(worker: Any) -> Any:
+    import threading
+    return threading.Lock()
+
+
+def worker_pid(worker: Any) -> int:
+    import os
+    return os.getpid()
+
+
+def dp_and_tp_rank(worker: Any) -> list[int]:
+    return [worker.parallel_config.data_parallel_rank, worker.rank]

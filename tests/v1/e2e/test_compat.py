@@ -64,9 +64,13 @@ def test_random_uuid() -> None:
 # --------------------------------------------------------------------------------------- engine arguments (config)
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"distributed_executor_backend": "ray"},
-     r"distributed_executor_backend='ray' is not supported: this engine has a single-process executor only; use "
-     r"None, 'uni' or 'mp'\."),
+    ({"distributed_executor_backend": "external_launcher"},
+     r"distributed_executor_backend='external_launcher' is not supported: this engine starts its own workers; use "
+     r"'mp' \(one node\) or 'ray'\."),
+    ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2},
+     r"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size=2 needs 2; use 'mp' or 'ray'\."),
+    ({"tensor_parallel_size": 3}, r"tensor_parallel_size=3 cannot split .*num_attention_heads=4 is not divisible by it"),
+    ({"tensor_parallel_size": 0}, r"tensor_parallel_size must be a positive integer, got 0\."),
     ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2 is not supported: .*--pipeline-parallel-size 1\."),
     ({"enable_expert_parallel": True}, r"enable_expert_parallel=True is not supported: .*enable_expert_parallel=False"),
     ({"enable_lora": True}, r"enable_lora=True is not supported: this engine has no LoRA; use enable_lora=False"),
@@ -78,10 +82,13 @@ def test_refused_engine_args(kwargs: dict, match: str) -> None:
         LLM(device="cpu", **kwargs)
 
 
-@pytest.mark.parametrize("backend", [None, "uni", "mp"])
-def test_accepted_executor_backends(backend: str | None) -> None:
-    config = EngineArgs(device="cpu", distributed_executor_backend=backend).create_engine_config()
-    assert config.parallel_config.distributed_executor_backend == backend
+@pytest.mark.parametrize("backend, tp, resolved", [(None, 1, "uni"), ("uni", 1, "uni"), ("mp", 1, "mp"),
+                                                   ("ray", 1, "ray"), (None, 2, "mp"), ("ray", 4, "ray")])
+def test_accepted_executor_backends(backend: str | None, tp: int, resolved: str) -> None:
+    """vLLM's defaulting: None is uni for one rank, mp for several."""
+    config = EngineArgs(device="cpu", distributed_executor_backend=backend,
+                        tensor_parallel_size=tp).create_engine_config()
+    assert config.parallel_config.distributed_executor_backend == resolved
 
 
 def test_ignored_args_warn_once(fresh_warnings: None, caplog: pytest.LogCaptureFixture) -> None:
@@ -110,11 +117,11 @@ def test_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
     defaults = AsyncEngineArgs.from_cli_args(parser.parse_args(["serve"]))
     assert defaults == AsyncEngineArgs()
     # A refused value stops `vllm serve` with status 2 and the message, before any engine starts.
-    args = parser.parse_args(["serve", "--device", "cpu", "--distributed-executor-backend", "ray"])
+    args = parser.parse_args(["serve", "--device", "cpu", "--distributed-executor-backend", "external_launcher"])
     with pytest.raises(SystemExit) as exc:
         serve(args, parser)
     assert exc.value.code == 2
-    assert "distributed_executor_backend='ray' is not supported" in capsys.readouterr().err
+    assert "distributed_executor_backend='external_launcher' is not supported" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------- offline: LLM, LLMEngine

@@ -1,4 +1,7 @@
-"""EngineCore: the scheduler and the worker in a loop; `step()` runs one schedule -> execute -> update cycle.
+"""EngineCore: the scheduler and the workers in a loop; `step()` runs one schedule -> execute -> update cycle.
+
+The workers are reached through `model_executor` (vllm/v1/executor/): one worker in this process, or one per
+tensor-parallel rank with rank 0 (`worker`) here; a step's output is rank 0's.
 
 It speaks only the engine-core protocol (vllm.v1.engine): EngineCoreRequests in, EngineCoreOutputs out.
 
@@ -55,8 +58,9 @@ from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, Engin
                              FinishReason)
 from vllm.v1.engine.sleep_mode import SLEEP_UTILITY_METHODS, EngineSleepMixin
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.executor.abstract import Executor
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
-from vllm.v1.worker.worker import Worker, make_worker
+from vllm.v1.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +71,16 @@ PAUSE_MODES = ("abort", "wait", "keep")
 class EngineCore(EngineSleepMixin):
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
-        self.worker: Worker = make_worker(vllm_config)
-        num_blocks = self.worker.determine_num_blocks()
-        self.worker.initialize_kv_cache(num_blocks)
-        self.worker.compile_or_warm_up_model()
+        # The workers, one per rank (vllm/v1/executor/); `worker` is rank 0's, in this process.
+        self.model_executor = Executor.get_class(vllm_config)(vllm_config)
+        self.worker: Worker = self.model_executor.driver_worker
+        try:
+            num_blocks = self.model_executor.determine_num_blocks()
+            self.model_executor.initialize_kv_cache(num_blocks)
+            self.model_executor.compile_or_warm_up_model()
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
         self.num_gpu_blocks = num_blocks
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
@@ -111,7 +121,7 @@ class EngineCore(EngineSleepMixin):
         if not self.scheduler.has_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
-        model_output = self.worker.execute_model(scheduler_output)
+        model_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         outputs.weight_version = self.weight_version
         return outputs
@@ -132,7 +142,7 @@ class EngineCore(EngineSleepMixin):
             scheduler_output = self.scheduler.schedule()
             has_tokens = scheduler_output.total_num_scheduled_tokens > 0
             if has_tokens or scheduler_output.finished_req_ids:
-                queue.append((scheduler_output, self.worker.execute_model_async(scheduler_output)))
+                queue.append((scheduler_output, self.model_executor.execute_model_async(scheduler_output)))
             if not has_tokens:
                 break
 
@@ -222,17 +232,18 @@ class EngineCore(EngineSleepMixin):
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Run `method` on every worker (one here) after the steps in flight finished; one result per worker.
+        """Run `method` on every worker (one per rank) after the steps in flight finished; one result per worker,
+        in rank order.
         A name is a method of the worker or of its worker extension (not one starting with "_"); a callable is
         called with the worker first. timeout is the caller's to enforce (a running call cannot be stopped).
         "sleep" and "wake_up" are the engine's own (sleep_mode.py)."""
         if method in ("sleep", "wake_up"):
             return [self._sleep_rpc(method, args, kwargs or {})]
         self._drain()
-        return [self.worker.call(method, args, kwargs or {})]
+        return self.model_executor.collective_rpc(method, timeout, args, kwargs or {})
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.worker.init_weight_transfer_engine(init_info)
+        self.model_executor.run_workers("init_weight_transfer_engine", init_info)
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         if self.updating_weights:
@@ -241,7 +252,7 @@ class EngineCore(EngineSleepMixin):
         self._set_halt()
         self._drain()
         try:
-            self.worker.start_weight_update(is_checkpoint_format)
+            self.model_executor.run_workers("start_weight_update", is_checkpoint_format)
         except BaseException:
             self.updating_weights = False
             self._set_halt()
@@ -250,14 +261,14 @@ class EngineCore(EngineSleepMixin):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if not self.updating_weights:
             raise ValueError("No weight update is in progress: call start_weight_update first.")
-        self.worker.update_weights(update_info)
+        self.model_executor.run_workers("update_weights", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self.updating_weights:
             raise ValueError("No weight update is in progress: call start_weight_update first.")
         _check_version(weight_version, "weight_version")
         try:
-            self.worker.finish_weight_update()
+            self.model_executor.run_workers("finish_weight_update")
         finally:
             self.updating_weights = False
             self._set_halt()
@@ -268,7 +279,7 @@ class EngineCore(EngineSleepMixin):
     def load_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """A whole update from a folder of safetensors, whatever the backend (prime-rl's /update_weights
         {"weight_dir"}): start, load (checked whole first), finish."""
-        self._whole_update(lambda: self.worker.load_weights_from_disk(path), weight_version)
+        self._whole_update(lambda: self.model_executor.run_workers("load_weights_from_disk", path), weight_version)
 
     def _whole_update(self, load: Callable[[], None], weight_version: str | None) -> None:
         """start_weight_update, `load`, finish_weight_update(weight_version) as one call; a failed load names no
@@ -285,11 +296,11 @@ class EngineCore(EngineSleepMixin):
     def init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
                          timeout: float) -> None:
         """Join prime-rl's NCCL weight broadcast as its rank rank_offset + 1 (blocks until the trainer is there)."""
-        self.worker.init_broadcaster(host, port, rank_offset, inference_world_size, timeout)
+        self.model_executor.run_workers("init_broadcaster", host, port, rank_offset, inference_world_size, timeout)
 
     def load_weights_from_broadcast(self, weight_version: str | None = None) -> None:
         """A whole update from prime-rl's broadcaster (its /update_weights {"weight_dir": null})."""
-        self._whole_update(self.worker.receive_broadcast_weights, weight_version)
+        self._whole_update(lambda: self.model_executor.run_workers("receive_broadcast_weights"), weight_version)
 
     def get_weight_version(self) -> str | None:
         return self.weight_version
@@ -303,6 +314,10 @@ class EngineCore(EngineSleepMixin):
     def weight_info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "is_updating": self.updating_weights,
                 "parameters": self.worker.weight_info()}
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes with tensor_parallel_size > 1)."""
+        self.model_executor.shutdown()
 
 
 def _check_version(version: object, name: str) -> None:

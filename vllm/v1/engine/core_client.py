@@ -113,6 +113,9 @@ class InprocClient(EngineCoreClient):
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests() or bool(self.engine_core.pending_outputs)
 
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
     def call_utility(self, method: str, *args: Any, **kwargs: Any) -> Any:
         core = self.engine_core
         if method not in core.UTILITY_METHODS:
@@ -286,8 +289,13 @@ class MPClient(EngineCoreClient):
 
     def _utility_frames(self, call_id: int, method: str, args: tuple, kwargs: dict[str, Any]
                         ) -> tuple[bytes, bytes, bytes]:
-        return (EngineCoreRequestType.UTILITY.value, self.encoder.encode((self.client_index, call_id)),
-                pickle.dumps((method, args, kwargs)))
+        try:
+            payload = pickle.dumps((method, args, kwargs))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise ValueError(f"{method}: the arguments cannot be sent to the engine core process ({e}); a callable "
+                             "for collective_rpc must be importable by name there (a module-level function, not a "
+                             "lambda or a closure).") from None
+        return (EngineCoreRequestType.UTILITY.value, self.encoder.encode((self.client_index, call_id)), payload)
 
     @staticmethod
     def _result_value(ok: bool, value: Any) -> Any:

@@ -334,7 +334,9 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
     exit_code = 0
     try:
         try:
-            _init_default_process_group()
+            # NOTE: with several ranks the driver worker joins the engine's own world instead (vllm/v1/executor/).
+            if getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) == 1:
+                _init_default_process_group()
             if engine_core_factory is None:
                 from vllm.v1.engine.core import EngineCore
                 engine_core_factory = EngineCore
@@ -361,6 +363,7 @@ def run_engine_core(vllm_config: VllmConfig, input_address: str | list[str], out
     finally:
         if proc is not None:
             proc.close()
+            _shutdown_engine_core(proc.engine_core)
         ctx.term()
         if os.getppid() != parent_pid:
             # NOTE: the parent died (killed) without removing the sockets' folder: this process does.
@@ -376,6 +379,16 @@ def _init_default_process_group() -> None:
     import torch.distributed as dist
     if dist.is_available() and not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _shutdown_engine_core(engine_core: Any) -> None:
+    """Stop the engine core's workers (their processes with tensor parallelism); a failure is only logged."""
+    try:
+        shutdown = getattr(engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+    except Exception:
+        logger.exception("The engine core's shutdown failed.")
 
 
 def _done(value: Any) -> Deferred:

@@ -2,7 +2,8 @@
 
 `add_request` validates and tokenizes before anything reaches the core, so a bad request raises ValueError and
 leaves every running request untouched. The core runs in this process (default) or, with
-`multiprocess_mode=True` / VLLM_ENABLE_V1_MULTIPROCESSING=1, in a child process behind the same client interface.
+`multiprocess_mode=True` / VLLM_ENABLE_V1_MULTIPROCESSING=1, in a child process behind the same client interface;
+always in a child process with tensor_parallel_size > 1.
 A request with `n > 1` runs as n child requests in the core; `step()` returns RequestOutputs under the user's
 request id with one CompletionOutput per child (see vllm/v1/engine/parallel_sampling.py).
 
@@ -38,6 +39,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         if multiprocess_mode is None:
             multiprocess_mode = envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        # NOTE: with several ranks the driver worker joins torch.distributed's default group of the engine core's
+        # process: never the caller's (docs/parallelism.md, "Processes").
+        multiprocess_mode = multiprocess_mode or vllm_config.parallel_config.world_size > 1
         self.multiprocess_mode = multiprocess_mode
         self.engine_core = EngineCoreClient.make_client(multiprocess_mode, False, vllm_config)
 

@@ -107,7 +107,7 @@ class EngineSleepMixin:
             # NOTE: the KV cache comes back zeroed: no digest may outlive it, also one of a block still held (the
             # reset above leaves those).
             self.scheduler.kv_cache_manager.invalidate_prefix_cache()
-            self.worker.sleep(level)
+            self.model_executor.run_workers("sleep", level)
         self.sleep_level = max(level, self.sleep_level or 0)
 
     def wake_up(self: EngineCore, tags: list[str] | None = None) -> bool:
@@ -117,7 +117,7 @@ class EngineSleepMixin:
             return True
         memory_tags = None if tags is None else [t for t in tags if t != "scheduling"]
         if memory_tags is None or memory_tags:
-            self.worker.wake_up(memory_tags)
+            self.model_executor.run_workers("wake_up", memory_tags)
         if not self.worker.sleeping_tags():
             self.sleep_level = None
             self.sleep_halted = False

@@ -126,6 +126,9 @@ class ModelRunner:
         self._prev_sampled: torch.Tensor | None = None
         # The requests that asked for prompt logprobs, until their prompt is computed (prompt_logprobs.py).
         self.prompt_logprobs = PromptLogprobsComputer(self.vocab_size, self.device)
+        # Tensor parallelism: only the driver's (rank 0's) outputs are read; the other ranks sample the same tokens
+        # and copy only their ids to the host (vllm/v1/executor/distributed.py). Set by the worker.
+        self.is_driver_worker = True
 
     # ---- KV cache -------------------------------------------------------------------------------------------
 
@@ -414,6 +417,8 @@ class ModelRunner:
         req_ids = inputs.req_ids
         sampled_req_ids = [req_ids[i] for i in sample_idx.tolist()]
         on_ready = partial(self._write_sampled, sampled_req_ids, positions, sample_idx)
+        if not self.is_driver_worker:  # NOTE: its outputs are dropped: no logprobs or masks to the host
+            return self.output_copier.submit(req_ids, inputs.samples, out.sampled_token_ids, None, None, on_ready)
         rows = inputs.rows
         row_settings = StepRowSettings(batch.num_logprobs[rows] >= 0, batch.wants_mask[rows], batch.top_k[rows])
         return self.output_copier.submit(req_ids, inputs.samples, out.sampled_token_ids, out.logprobs_tensors,

@@ -12,6 +12,10 @@ The worker is also what RL frameworks reach through `collective_rpc` (`call`): i
 worker's class by `make_worker` (the worker's own attributes win; a clash is refused). Extensions read vLLM's
 worker attributes: `model_runner` (its `.model`), `device`, `model_config`, `parallel_config`, `vllm_config`,
 `rank`, `local_rank`.
+
+With tensor_parallel_size > 1 there is one worker per rank (vllm/v1/executor/): each joins the engine's process
+groups before its model is built, on its own device (cuda:local_rank, or the CPU over gloo), and sizes its own KV
+cache; the executor keeps the smallest block count of all ranks.
 """
 
 from __future__ import annotations
@@ -37,19 +41,24 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.parallel_config = vllm_config.parallel_config
-        # NOTE: one worker; vLLM's names for its place among the workers.
-        self.rank = 0
-        self.local_rank = 0
+        # vLLM's names for its place among the workers (vllm/v1/executor/); rank 0 is the driver.
+        self.rank = rank
+        self.local_rank = local_rank
+        if self.parallel_config.world_size > 1:
+            from vllm.v1.executor.distributed import init_worker_distributed_environment
+            init_worker_distributed_environment(vllm_config, rank, local_rank, distributed_init_method)
         self.device = vllm_config.device_config.torch_device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         self.model_runner = ModelRunner(vllm_config)
+        self.model_runner.is_driver_worker = rank == 0
         # Sleep mode (vllm/v1/worker/sleep.py): the weights move into their own region now, the KV cache is made
         # in one; torch's peak then no longer counts the weights (determine_num_blocks adds them).
         self.sleeper = Sleeper(self.model_runner.model, self.device) if self.model_config.enable_sleep_mode else None
@@ -97,6 +106,10 @@ class Worker:
     def compile_or_warm_up_model(self) -> None:
         """Capture the CUDA graphs (CUDA without enforce_eager); call after initialize_kv_cache."""
         self.model_runner.capture_model()
+        if self.parallel_config.world_size > 1:
+            # NOTE: every rank samples the same gathered logits (vllm/v1/executor/distributed.py): the random state
+            # must be the same on every rank from the first step on, whatever loading each shard consumed.
+            torch.manual_seed(self.model_config.seed)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
@@ -185,11 +198,13 @@ _INSTANCE_ATTRIBUTES = frozenset({"vllm_config", "model_config", "parallel_confi
                                   "model_runner", "weight_updater", "sleeper"})
 
 
-def make_worker(vllm_config: VllmConfig) -> Worker:
-    """The worker, with the methods of vllm_config.parallel_config.worker_extension_cls mixed in when set."""
+def make_worker(vllm_config: VllmConfig, rank: int = 0, local_rank: int = 0,
+                distributed_init_method: str | None = None) -> Worker:
+    """The worker of `rank`, with the methods of vllm_config.parallel_config.worker_extension_cls mixed in when
+    set; with several ranks it joins the engine's process groups first."""
     extension = vllm_config.parallel_config.worker_extension_cls
     if not extension:
-        return Worker(vllm_config)
+        return Worker(vllm_config, rank, local_rank, distributed_init_method)
     ext_cls = resolve_worker_extension(extension)
     clash = sorted(n for n in dir(ext_cls)
                    if not n.startswith("__") and (hasattr(Worker, n) or n in _INSTANCE_ATTRIBUTES))
@@ -197,4 +212,4 @@ def make_worker(vllm_config: VllmConfig) -> Worker:
         raise ValueError(f"worker_extension_cls {extension!r} defines {', '.join(clash)}, which the worker already "
                          "has; rename them.")
     worker_cls = type(f"Worker[{ext_cls.__name__}]", (Worker, ext_cls), {})
-    return worker_cls(vllm_config)
+    return worker_cls(vllm_config, rank, local_rank, distributed_init_method)
