@@ -7,10 +7,10 @@ and the sampling masks, and builds a RequestOutput per step according to `Sampli
 Invariants:
 - Token ids, logprob dicts and masks stay aligned 1:1: `len(masks) == len(token_ids)` (and the same for logprobs
   when requested), also when a stop string ends a request in the middle of a multi-token step.
-- Masks are appended from each step's `SamplingMaskLists` / `SamplingMaskText` slice into one flat buffer per
-  request and form (MaskAccumulator), handed over as a SamplingMask (lists per token only when
-  `SamplingMask.token_ids` is read); a request returns masks when its engine-core outputs carry them (the engine
-  flag is on and the request did not opt out).
+- Masks are appended from each step's `SamplingMaskLists` / `SamplingMaskText` slice to the request's
+  MaskAccumulator (the id rows as the views they came in, the texts written into a few blocks) and handed over as
+  a SamplingMask (lists per token only when `SamplingMask.token_ids` is read); a request returns masks when its
+  engine-core outputs carry them (the engine flag is on and the request did not opt out).
 - A request finished by a stop string in the frontend (the engine core still runs it) is listed in
   `reqs_to_abort`; a finished request's state is dropped at once, later outputs for it are ignored.
 - An n > 1 request is tracked as n child states (engine-core ids `f"{i}_{request_id}"`) plus one ParentRequest
@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
 
 from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask
 from vllm.sampling_params import RequestOutputKind, SamplingParams
