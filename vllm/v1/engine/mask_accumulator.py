@@ -2,10 +2,10 @@
 
 Role: each engine step brings a request its new tokens' masks, as int32 id rows (SamplingMaskLists) and/or as
 their JSON text (SamplingMaskText, formatted on the device for an API server). The accumulator writes the texts
-into the request's MaskTextBlocks (the response's JSON, "[[...],[...]]", in a few buffers) and keeps the ids as
-one buffer per token, and hands them over as a `SamplingMask` (vllm/outputs.py) without building anything: a
-server sends the text blocks as they are (SplicedJSONResponse), an offline caller reads `ids` / `offsets` (one
-join), and Python lists per token are built only if it reads `token_ids`.
+into the request's MaskTextBlocks (the response's JSON, "[[...],[...]]", in a few buffers) and keeps the id rows
+as the views the steps brought (one per token), and hands them over as a `SamplingMask` (vllm/outputs.py) without
+building anything: a server sends the text blocks as they are (SplicedJSONResponse), an offline caller reads
+`ids` / `offsets` (one concatenation), and Python lists per token are built only if it reads `token_ids`.
 
 NOTE (why this shape, tools/profiling/frontend_final.py on the development machine): a non-streamed response
 finishes with its whole batch, and every copy of its ~870 KB of mask text done then (a join of per-token rows,
@@ -14,7 +14,7 @@ next requests waited; written into the blocks as the steps come, the text is rea
 The ids (an in-process engine's, or an engine core's of its own process: no text) are kept as the views of the
 step's array that the step brings, not copied: copying each row out of its step (~2 KB into fresh memory) cost
 ~2.5 ms per 1024-row step of the offline engine's host time on the development machine, more than everything
-else the masks cost it; a join when the caller reads `ids` is the one copy.
+else the masks cost it; the concatenation when the caller reads `ids` is the one copy.
 
 Invariants:
 - `num` tokens; the lists only grow until a hand-over (a cumulative output's SamplingMask shares them and reads
