@@ -140,3 +140,27 @@ def test_cumulative_masks_share_and_stay_whole() -> None:
         assert json.loads(mask.json_text()) == rows[:k + 1]
         np.testing.assert_array_equal(mask.offsets, np.cumsum([0] + [len(r) for r in rows[:k + 1]]))
     assert seen[0].json_text() == b"[[1,5]]" and seen[-1].json_text() == b"[[1,5],[2],[0,3,4]]"
+
+
+def test_sampling_mask_pickles_with_its_masks() -> None:
+    """A RequestOutput crosses processes pickled (Ray actors return rollouts so): a mask handed over by the output
+    processor (id views of a step's array, text blocks) comes back with the same masks, and carries only its own
+    rows' ids, not the whole step array its views came from."""
+    import pickle
+
+    from vllm.v1.engine.mask_accumulator import MaskAccumulator
+    from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
+
+    step = np.arange(100_000, dtype=np.int32)  # a step's array, much larger than the request's rows
+    rows = [[1, 5], [7]]
+    acc = MaskAccumulator("r")
+    for k, row in enumerate(rows):
+        view = step[row[0]:row[0] + 1] if len(row) == 1 else step[[1, 5]]
+        text = np.frombuffer(json.dumps(row, separators=(",", ":")).encode(), np.uint8)
+        acc.append(SamplingMaskLists(view, None), SamplingMaskText(text, None), 1, 1, k)
+    mask = acc.take(keep=False)
+    data = pickle.dumps(mask)
+    assert len(data) < 4_000  # not the step's 400 KB
+    back = pickle.loads(data)
+    assert back.token_ids == rows and json.loads(back.json_text()) == rows
+    np.testing.assert_array_equal(back.offsets, [0, 2, 3])
