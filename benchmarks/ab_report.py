@@ -82,13 +82,20 @@ def _host_speed_lines(rounds: list[list[dict[str, Any]]]) -> list[str]:
     return lines + [f"- round {i + 1}: {text or '-'}" for i, text in enumerate(per_round)]
 
 
+def baseline(name: str) -> str:
+    """The arm a result's ratio is taken against: no-mask on the same path (ab_sampling_mask.result_name:
+    ARM#PATH, or ARM for the streamed path)."""
+    _, sep, path = name.rpartition("#")
+    return f"no-mask#{path}" if sep and path.isidentifier() else "no-mask"
+
+
 def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
              rounds: list[list[dict[str, Any]]] | None = None) -> str:
     names = [a["arm"] for a in arms]
     by_name = {a["arm"]: a for a in arms}
-    ratio_arms = [n for n in names if n != "no-mask"] if "no-mask" in by_name else []
+    ratio_arms = [n for n in names if n != baseline(n) and baseline(n) in by_name]
     lines = ["Output tokens/s (TTFT median ms / TPOT median ms); * = cut at the level timeout", "",
-             "| concurrency | " + " | ".join(names) + " |" + "".join(f" {n} / no-mask |" for n in ratio_arms),
+             "| concurrency | " + " | ".join(names) + " |" + "".join(f" {n} / {baseline(n)} |" for n in ratio_arms),
              "|---:|" + "---:|" * (len(names) + len(ratio_arms))]
     for c in concurrencies:
         cells = []
@@ -102,12 +109,12 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
             ttft = serving_metrics._fmt(lv["ttft_ms_median"], 0)
             tpot = serving_metrics._fmt(lv["tpot_ms_median"], 1)
             cells.append(f"{lv['output_throughput']:.0f}{flag} ({ttft} / {tpot}){bad}")
-        no_mask = _level(by_name["no-mask"], c) if ratio_arms else None
-        ratios = "".join(f" {_ratio(_level(by_name[n], c), no_mask)} |" for n in ratio_arms)
+        ratios = "".join(f" {_ratio(_level(by_name[n], c), _level(by_name[baseline(n)], c))} |" for n in ratio_arms)
         lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
     if any(lv.get("steady_output_throughput") is not None for a in arms for lv in a["levels"]):
         lines += ["", "Steady state: output tokens/s in the middle 60% of each level (its ramp-up and drain left out):",
-                  "", "| concurrency | " + " | ".join(names) + " |" + "".join(f" {n} / no-mask |" for n in ratio_arms),
+                  "", "| concurrency | " + " | ".join(names) + " |"
+                  + "".join(f" {n} / {baseline(n)} |" for n in ratio_arms),
                   "|---:|" + "---:|" * (len(names) + len(ratio_arms))]
         for c in concurrencies:
             cells = []
@@ -115,9 +122,8 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
                 lv = _level(a, c)
                 value = None if lv is None else lv.get("steady_output_throughput")
                 cells.append("-" if value is None else f"{value:.0f}")
-            no_mask = _level(by_name["no-mask"], c) if ratio_arms else None
-            ratios = "".join(f" {_ratio(_level(by_name[n], c), no_mask, 'steady_output_throughput')} |"
-                             for n in ratio_arms)
+            ratios = "".join(f" {_ratio(_level(by_name[n], c), _level(by_name[baseline(n)], c), key)} |"
+                             for n in ratio_arms for key in ("steady_output_throughput",))
             lines.append(f"| {c} | " + " | ".join(cells) + " |" + ratios)
     if rounds is not None and len(rounds) > 1 and ratio_arms:
         fewer = [f"{n} in {sum(n in {a['arm'] for a in r} for r in rounds)}" for n in names
@@ -131,10 +137,13 @@ def markdown(arms: list[dict[str, Any]], concurrencies: list[int],
             paired: dict[str, list[float]] = {n: [] for n in ratio_arms}
             for r in rounds:
                 by = {a["arm"]: a for a in r}
-                no_mask = _level(by["no-mask"], c) if "no-mask" in by else None
-                per_round.append(" ".join(_ratio(_level(by[n], c), no_mask) if n in by else "-" for n in ratio_arms))
+
+                def base(n: str, by: dict = by) -> dict[str, Any] | None:
+                    return _level(by[baseline(n)], c) if baseline(n) in by else None
+
+                per_round.append(" ".join(_ratio(_level(by[n], c), base(n)) if n in by else "-" for n in ratio_arms))
                 for n in ratio_arms:
-                    value = _ratio_value(_level(by[n], c), no_mask) if n in by else None
+                    value = _ratio_value(_level(by[n], c), base(n)) if n in by else None
                     if value is not None:
                         paired[n].append(value)
             medians = " ".join(f"{statistics.median(v):.3f}" if v else "-" for v in paired.values())

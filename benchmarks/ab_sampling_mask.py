@@ -14,6 +14,15 @@ mask@presence_penalty=0.5@repetition_penalty=1.1`. (The pre-change mask path is 
 no switch; its kernel cost is in benchmarks/kernels/benchmark_sampling_mask.py, its last serving numbers in
 docs/benchmarks.md.)
 
+`--paths` picks what the clients do against each arm's server (default: stream): `stream` (streamed
+/v1/completions, the headline), `completions`, `chat`, `generate` (non-streamed /v1/completions,
+/v1/chat/completions, /inference/v1/generate: one JSON body per request, as RL clients read them), and `offline`
+(no server: benchmarks/benchmark_throughput.py, `LLM.generate` of as many requests as each concurrency, with the
+arm's engine flags). Each path is a column of its own in the table and a line in the plot, named `ARM#PATH`
+(`ARM` alone for stream), with its ratio to `no-mask#PATH`. Chat needs a tokenizer: its levels run against a
+second server of the arm started with `--tokenizer` of a synthetic one (write_id_tokenizer: token i is the word
+"<i>", so the load generator's prompts of random ids go through the chat template as those ids).
+
 One command on the GPU machine (the server stack's wheels in /tmp/site):
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/ab_sampling_mask.py --out-dir out/ab
 
@@ -68,6 +77,44 @@ DEFAULT_ARMS = ["no-mask", "mask"]
 
 # NOTE: server start (imports, dummy weights, KV cache) is budgeted at this much before an arm's levels.
 STARTUP_ESTIMATE_S = 60.0
+# What the clients do (--paths): benchmark_serving's (endpoint, streamed) per served path; `offline` has no server.
+SERVED_PATHS = {"stream": ("completions", True), "completions": ("completions", False), "chat": ("chat", False),
+                "generate": ("generate", False)}
+PATHS = (*SERVED_PATHS, "offline")
+
+
+def result_name(arm: str, path: str) -> str:
+    """The table's column of `arm` on `path`: the arm's name for the streamed path, else ARM#PATH."""
+    return arm if path == "stream" else f"{arm}#{path}"
+
+
+def path_groups(paths: list[str]) -> list[tuple[str, list[str]]]:
+    """The runs of one arm: ("served", paths) on one server without a tokenizer, ("chat", ["chat"]) on a server
+    with the synthetic tokenizer, ("offline", ["offline"]); in that order, only those asked for."""
+    served = [p for p in paths if p in SERVED_PATHS and p != "chat"]
+    return ([("served", served)] if served else []) + ([("chat", ["chat"])] if "chat" in paths else []) + \
+        ([("offline", ["offline"])] if "offline" in paths else [])
+
+
+def write_id_tokenizer(folder: str, vocab_size: int) -> str:
+    """A tokenizer folder whose token i is the word "<i>" (no spaces between words), with a chat template that
+    writes the messages' contents back to back: `<5><17>` is tokens [5, 17] through encode or the template, and
+    every id of the model's vocabulary decodes. For chat levels of a dummy-weights model that has no tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    os.makedirs(folder, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\d+>"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}, f)
+    return folder
+
+
+def model_vocab_size(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
 
 
 def arm_spec(arm: str) -> tuple[list[str], dict[str, str]]:
@@ -166,11 +213,14 @@ def stop_server(proc: subprocess.Popen) -> None:
     proc.poll()
 
 
-def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, arm: str, port: int, log_path: str,
+                 tokenizer: str | None = None) -> subprocess.Popen:
+    """`vllm serve` of `arm`, with --skip-tokenizer-init, or with `tokenizer` (a folder) when given."""
     flags, env_extra = arm_spec(arm)
     model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
+    tokenizer_flags = ["--skip-tokenizer-init"] if tokenizer is None else ["--tokenizer", tokenizer]
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", "--max-num-seqs", str(args.max_num_seqs),
+           "--port", str(port), *tokenizer_flags, "--max-num-seqs", str(args.max_num_seqs),
            "--max-model-len", str(args.max_model_len or args.input_len + args.output_len + 64),
            "--logprobs-mode", "processed_logprobs", "--uvicorn-log-level", "warning", *flags]
     if args.load_format:
@@ -209,8 +259,10 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
 
 
 def load_args(args: argparse.Namespace, url: str, concurrency: int, level_timeout: float,
-              body: dict[str, Any] | None = None) -> argparse.Namespace:
-    argv = ["--base-url", url, "--concurrency", str(concurrency), "--input-len", str(args.input_len),
+              body: dict[str, Any] | None = None, path: str = "stream") -> argparse.Namespace:
+    endpoint, stream = SERVED_PATHS[path]
+    argv = ["--base-url", url, "--endpoint", endpoint, *([] if stream else ["--no-stream"]),
+            "--concurrency", str(concurrency), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--temperature", str(args.temperature), "--top-p",
             str(args.top_p), "--top-k", str(args.top_k), "--logprobs", str(args.logprobs),
             "--num-prompts", str(max(args.min_num_prompts, round(concurrency * args.num_prompts_per_concurrency))),
@@ -232,7 +284,11 @@ def host_loop_ms() -> float:
     return 1e3 * min(timeit.repeat("sum(i * i for i in range(1000000))", number=1, repeat=3))
 
 
-def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix: str = "") -> dict[str, Any]:
+def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix: str = "",
+            paths: list[str] | None = None, tokenizer: str | None = None) -> dict[str, Any]:
+    """One server of `arm` and the levels of each of `paths` against it (default: stream), in path order; each
+    level dict names its path (split_paths makes them columns)."""
+    paths = paths or ["stream"]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(args.out_dir, f"server_{arm_file_name(arm)}{log_suffix}.log")
@@ -240,24 +296,25 @@ def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix:
                               "host_loop_ms": host_loop_ms()}
     log(f"{arm}: host Python loop {result['host_loop_ms']:.1f} ms")
     t0 = time.monotonic()
-    proc = start_server(args, arm, port, log_path)
+    proc = start_server(args, arm, port, log_path, tokenizer)
     try:
         wait_healthy(proc, url, min(args.timeout, max(10.0, arm_deadline - time.monotonic())))
         result["startup_s"] = time.monotonic() - t0
         log(f"{arm}: healthy after {result['startup_s']:.0f}s")
-        for i, concurrency in enumerate(args.concurrencies):
-            level_timeout = min(arm_level_timeout(args, arm),
-                                (arm_deadline - time.monotonic()) / (len(args.concurrencies) - i))
+        levels = [(path, c) for path in paths for c in args.concurrencies]
+        for i, (path, concurrency) in enumerate(levels):
+            name = result_name(arm, path)
+            level_timeout = min(arm_level_timeout(args, arm), (arm_deadline - time.monotonic()) / (len(levels) - i))
             if level_timeout < 5.0:
-                log(f"{arm}: c={concurrency} skipped, out of time (--budget-s)")
-                result["levels"].append({"concurrency": concurrency, "skipped": "out of time"})
+                log(f"{name}: c={concurrency} skipped, out of time (--budget-s)")
+                result["levels"].append({"concurrency": concurrency, "skipped": "out of time", "path": path})
                 continue
             if proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with status {proc.returncode}")
             results = benchmark_serving.run_benchmark(load_args(args, url, concurrency, level_timeout,
-                                                                arm_body(arm)),
-                                                      log=lambda m: log(f"{arm}: {m}"))
-            result["levels"] += results
+                                                                arm_body(arm), path),
+                                                      log=lambda m, name=name: log(f"{name}: {m}"))
+            result["levels"] += [{**r, "path": path} for r in results]
     except Exception as e:  # noqa: BLE001 - recorded; the next arm still runs
         result["error"] = f"{type(e).__name__}: {e}"
         result["log_tail"] = tail(log_path)
@@ -266,6 +323,51 @@ def run_arm(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix:
         stop_server(proc)
         log(f"{arm}: server stopped ({time.monotonic() - t0:.0f}s for the arm)")
     return result
+
+
+def run_offline(args: argparse.Namespace, arm: str, arm_deadline: float, log_suffix: str = "") -> dict[str, Any]:
+    """The offline path of `arm`: benchmarks/benchmark_throughput.py (LLM.generate, the engine core in process)
+    with the arm's engine flags and environment, one level of N requests per concurrency N."""
+    flags, env_extra = arm_spec(arm)
+    out = os.path.join(args.out_dir, f"offline_{arm_file_name(arm)}{log_suffix}")
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "benchmark_throughput.py"), "--model", args.model,
+           "--skip-tokenizer-init", "--max-num-seqs", str(args.max_num_seqs), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--temperature", str(args.temperature), "--top-p", str(args.top_p),
+           "--top-k", str(args.top_k), "--logprobs", str(args.logprobs), "--logprobs-mode", "processed_logprobs",
+           "--num-prompts", *map(str, args.concurrencies), "--json-out", out + ".json", *flags]
+    if args.load_format:
+        cmd += ["--load-format", args.load_format]
+    if args.device:
+        cmd += ["--device", args.device]
+    env = {**os.environ, **env_extra, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    result: dict[str, Any] = {"arm": arm, "error": None, "levels": [], "server_log": out + ".log",
+                              "host_loop_ms": host_loop_ms()}
+    if arm_body(arm):
+        log(f"{arm}: offline ignores the arm's request fields {sorted(arm_body(arm))}")
+    log(f"{result_name(arm, 'offline')}: " + shlex.join(["python3", *cmd[1:]]))
+    try:
+        with open(out + ".log", "w") as f:
+            subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, check=True,
+                           timeout=max(10.0, arm_deadline - time.monotonic()))
+        with open(out + ".json") as f:
+            rows = json.load(f)["results"]
+        result["levels"] = [{"concurrency": r["num_prompts"], "path": "offline", "num_prompts": r["num_prompts"],
+                             "completed": r["num_prompts"], "output_throughput": r["output_tokens_per_s"],
+                             "truncated": False, "masks_ok": None if r["masks_bad"] is None else r["masks_bad"] == 0,
+                             "ttft_ms_median": None, "tpot_ms_median": None} for r in rows]
+    except Exception as e:  # noqa: BLE001 - recorded; the next arm still runs
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["log_tail"] = tail(out + ".log")
+        log(f"{arm}: offline FAILED: {result['error']}\n{result['log_tail']}")
+    return result
+
+
+def split_paths(result: dict[str, Any], paths: list[str]) -> list[dict[str, Any]]:
+    """One arm run's result as one result per path of `paths` (levels by their `path`, stream when unnamed), named
+    result_name(arm, path); a failed run fails each of its paths."""
+    return [{**result, "arm": result_name(result["arm"], path),
+             "levels": [lv for lv in result["levels"] if lv.get("path", "stream") == path]} for path in paths]
 
 
 def arm_level_timeout(args: argparse.Namespace, arm: str) -> float:
@@ -342,6 +444,9 @@ def make_parser() -> argparse.ArgumentParser:
                              "alternating order after it (module docstring).")
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="Do not start and stop one server before the first arm (module docstring).")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=["stream"],
+                        help="What the clients do against each arm (module docstring): stream, completions, chat, "
+                             "generate (non-streamed), offline (LLM.generate, no server).")
     parser.add_argument("--out-dir", default="out/ab")
     return parser
 
@@ -401,18 +506,33 @@ def main() -> None:
     deadline = time.monotonic() + args.budget_s
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rounds: list[list[dict[str, Any]]] = []
-    runs_left = sum(arm_rounds(args, arm) for arm in args.arms)
-    prime_s = prime_start(args, round_order(args.arms, 0, args.lead_arm)[0], deadline) if args.prime else None
+    groups = path_groups(args.paths)
+    runs_left = len(groups) * sum(arm_rounds(args, arm) for arm in args.arms)
+    tokenizer = write_id_tokenizer(os.path.join(args.out_dir, "id_tokenizer"), model_vocab_size(args.model)) \
+        if "chat" in args.paths else None
+    served_first = bool(groups) and groups[0][0] != "offline"
+    prime_s = prime_start(args, round_order(args.arms, 0, args.lead_arm)[0], deadline) \
+        if args.prime and served_first else None
+    names = [result_name(arm, path) for arm in args.arms for _, paths in groups for path in paths]
     for r in range(args.rounds):
         order = [arm for arm in round_order(args.arms, r, args.lead_arm) if r >= args.rounds - arm_rounds(args, arm)]
         results = []
         for arm in order:
-            share = (deadline - time.monotonic()) / runs_left
-            runs_left -= 1
-            log(f"=== arm {arm}" + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else "")
-                + f" ({share:.0f}s of the budget)")
-            results.append(run_arm(args, arm, time.monotonic() + share, f"_r{r + 1}" if args.rounds > 1 else ""))
-        rounds.append(sorted(results, key=lambda a: args.arms.index(a["arm"])))
+            for kind, paths in groups:
+                share = (deadline - time.monotonic()) / runs_left
+                runs_left -= 1
+                log(f"=== arm {arm}" + (f" ({', '.join(paths)})" if paths != ["stream"] else "")
+                    + (f", round {r + 1}/{args.rounds}" if args.rounds > 1 else "") + f" ({share:.0f}s of the budget)")
+                suffix = (f"_r{r + 1}" if args.rounds > 1 else "") + ("_chat" if kind == "chat" else "")
+                arm_deadline = time.monotonic() + share
+                if kind == "offline":
+                    result = run_offline(args, arm, arm_deadline, suffix)
+                elif paths == ["stream"]:
+                    result = run_arm(args, arm, arm_deadline, suffix)
+                else:
+                    result = run_arm(args, arm, arm_deadline, suffix, paths, tokenizer if kind == "chat" else None)
+                results += split_paths(result, paths)
+        rounds.append(sorted(results, key=lambda a: names.index(a["arm"])))
     arms = combine_rounds(rounds)
     title = (f"{os.path.basename(args.model.rstrip('/'))}, in {args.input_len} / out {args.output_len}, "
              f"T={args.temperature} top_p={args.top_p} top_k={args.top_k} logprobs={args.logprobs}")

@@ -1,4 +1,6 @@
-"""HTTP load generator for `vllm serve`: streamed /v1/completions of random token-id prompts, fixed output length.
+"""HTTP load generator for `vllm serve`: /v1/completions (streamed by default), /v1/chat/completions or
+/inference/v1/generate (`--endpoint`; `--no-stream` for one JSON body per request, as RL clients read them) of
+random token-id prompts, fixed output length.
 
 For each concurrency in --concurrency, sends --num-prompts requests (default: max(concurrency, 128)) while keeping
 `concurrency` of them in flight, optionally spread over several client processes so that the client is never the
@@ -11,8 +13,13 @@ Example:
 
 Invariants:
 - A request's output token count is the `usage.completion_tokens` of its final stream chunk (stream_options
-  include_usage); the per-chunk count (token_ids, logprobs tokens or masks) is used for requests cut short by
-  --level-timeout and is cross-checked against usage otherwise.
+  include_usage) or of its body (`--no-stream`); the per-chunk count (token_ids, logprobs tokens or masks) is used
+  for requests cut short by --level-timeout and is cross-checked against usage otherwise.
+- `--no-stream`: the body is read whole and accounted as one event (its choices and usage, the masks counted as
+  in a stream); a request's first token is then its whole body (TTFT = its latency, TPOT not meaningful). The
+  chat endpoint's prompt is the prompt ids written as "<id>" words (`prompt_field`): what the A/B's synthetic
+  tokenizer (ab_sampling_mask.write_id_tokenizer) reads back as those ids; the server needs a tokenizer for
+  chat. Non-streamed requests ask for `return_token_ids` (generate returns them anyway).
 - Throughput = output tokens received (including those of requests cut short) / wall time of the level.
 - All timestamps are `time.time()` so records from several client processes share one clock.
 - `--mask-check parse` (default) decodes every mask into Python lists, as a generic JSON client does;
@@ -76,12 +83,26 @@ class LevelSpec:
     mask_check: str = "parse"
     # The CPUs the client process runs on (None: any).
     cpus: list[int] | None = None
+    endpoint: str = "completions"
+    stream: bool = True
+
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/inference/v1/generate"}
+
+
+def prompt_field(endpoint: str, prompt: list[int]) -> dict[str, Any]:
+    """The request fields that carry `prompt` to `endpoint`."""
+    if endpoint == "chat":
+        return {"messages": [{"role": "user", "content": "".join(f"<{i}>" for i in prompt)}]}
+    return {"token_ids" if endpoint == "generate" else "prompt": prompt}
 
 
 async def _stream_one(client: Any, spec: LevelSpec, prompt: list[int], rec: RequestRecord) -> None:
-    payload = dict(spec.payload)
-    payload["prompt"] = prompt
+    payload = {**spec.payload, **prompt_field(spec.endpoint, prompt)}
     rec.start = time.time()
+    if not spec.stream:
+        await _whole_one(client, spec, payload, rec)
+        return
     if aiohttp is not None and isinstance(client, aiohttp.ClientSession):
         async with client.post(spec.url, json=payload, headers=spec.headers) as resp:
             if resp.status != 200:
@@ -100,6 +121,22 @@ async def _stream_one(client: Any, spec: LevelSpec, prompt: list[int], rec: Requ
             async for line in resp.aiter_lines():
                 if line.startswith("data: ") and _handle_event(line[6:], rec, spec.mask_check):
                     break
+    rec.end = time.time()
+
+
+async def _whole_one(client: Any, spec: LevelSpec, payload: dict[str, Any], rec: RequestRecord) -> None:
+    """A non-streamed request: its body read whole, then accounted as one event."""
+    if aiohttp is not None and isinstance(client, aiohttp.ClientSession):
+        async with client.post(spec.url, json=payload, headers=spec.headers) as resp:
+            status, body = resp.status, await resp.read()
+    else:
+        resp = await client.post(spec.url, json=payload, headers=spec.headers)
+        status, body = resp.status_code, resp.content
+    rec.first_token = time.time()
+    if status != 200:
+        rec.error = f"HTTP {status}: {body[:300].decode(errors='replace')}"
+        return
+    _handle_event(body, rec, spec.mask_check)
     rec.end = time.time()
 
 
@@ -157,13 +194,14 @@ def _run_share_sync(spec: LevelSpec) -> list[dict[str, Any]]:
 
 def run_level(url: str, payload: dict[str, Any], prompts: list[list[int]], concurrency: int, num_procs: int,
               timeout_s: float, headers: dict[str, str] | None = None, mask_check: str = "parse",
-              cpus: list[int] | None = None) -> tuple[list[RequestRecord], float, float]:
+              cpus: list[int] | None = None, endpoint: str = "completions",
+              stream: bool = True) -> tuple[list[RequestRecord], float, float]:
     """Send `prompts` with `concurrency` in flight over `num_procs` client processes; returns records, start, end."""
     num_procs = max(1, min(num_procs, concurrency, len(prompts)))
     if num_procs == 1:
         start = time.time()
         spec = LevelSpec(url, payload, prompts, concurrency, start, start + timeout_s, headers or {}, mask_check,
-                         cpus)
+                         cpus, endpoint, stream)
         # NOTE: this process is the client here: pinned for the level only (a server started later inherits it).
         before = os.sched_getaffinity(0)
         if cpus is not None:
@@ -176,7 +214,8 @@ def run_level(url: str, payload: dict[str, Any], prompts: list[list[int]], concu
         # NOTE: spawned workers import httpx first; start_at gives them a common start once all are ready.
         start = time.time() + 2.0
         specs = [LevelSpec(url, payload, prompts[p::num_procs], len(range(p, concurrency, num_procs)), start,
-                           start + timeout_s, headers or {}, mask_check, cpus) for p in range(num_procs)]
+                           start + timeout_s, headers or {}, mask_check, cpus, endpoint, stream)
+                 for p in range(num_procs)]
         with multiprocessing.get_context("spawn").Pool(num_procs) as pool:
             shares = pool.map(_run_share_sync, specs)
         records = [RequestRecord(**d) for share in shares for d in share]
@@ -221,13 +260,27 @@ def default_num_procs(concurrency: int) -> int:
 
 
 def build_payload(args: argparse.Namespace, model: str, max_tokens: int) -> dict[str, Any]:
-    payload: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                               "stream_options": {"include_usage": True}, "temperature": args.temperature,
-                               "top_p": args.top_p}
+    """Every request's fields but its prompt (prompt_field), for --endpoint and --no-stream."""
+    sampling: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": args.temperature,
+                                "top_p": args.top_p}
     if args.top_k is not None:
-        payload["top_k"] = args.top_k
+        sampling["top_k"] = args.top_k
+    endpoint = getattr(args, "endpoint", "completions")
+    stream = not getattr(args, "no_stream", False)
     if args.logprobs is not None:
-        payload["logprobs"] = args.logprobs
+        if endpoint == "chat":
+            sampling.update(logprobs=True, top_logprobs=args.logprobs)
+        else:
+            sampling["logprobs"] = args.logprobs
+    payload: dict[str, Any] = {"model": model, "stream": stream}
+    if endpoint == "generate":
+        payload["sampling_params"] = sampling
+    else:
+        payload.update(sampling)
+        if not stream:
+            payload["return_token_ids"] = True
+    if stream:
+        payload["stream_options"] = {"include_usage": True}
     payload.update(json.loads(args.extra_body) if args.extra_body else {})
     return payload
 
@@ -242,7 +295,8 @@ def run_benchmark(args: argparse.Namespace, log: Any = print) -> list[dict[str, 
         raise ValueError("Cannot tell the vocabulary size from /v1/models: pass --vocab-size.")
     rng = np.random.default_rng(args.seed)
     cpus = sorted(parse_cpu_list(args.cpus)) if args.cpus else None
-    url = f"{base_url}/v1/completions"
+    url = base_url + ENDPOINTS[args.endpoint]
+    level_kw = {"endpoint": args.endpoint, "stream": not args.no_stream}
     results: list[dict[str, Any]] = []
     for concurrency in args.concurrency:
         num_prompts = args.num_prompts or max(concurrency, 128)
@@ -254,7 +308,7 @@ def run_benchmark(args: argparse.Namespace, log: Any = print) -> list[dict[str, 
             t0 = time.time()
             records, _, _ = run_level(url, build_payload(args, model, args.warmup_output_len), warm,
                                       min(concurrency, num_warm), num_procs, level_timeout or 1e9, headers,
-                                      args.mask_check, cpus)
+                                      args.mask_check, cpus, **level_kw)
             bad = [r.error for r in records if r.error is not None]
             log(f"warmup c={concurrency}: {num_warm} requests in {time.time() - t0:.1f}s"
                 + (f", {len(bad)} failed: {bad[0]}" if bad else ""))
@@ -262,7 +316,8 @@ def run_benchmark(args: argparse.Namespace, log: Any = print) -> list[dict[str, 
                 level_timeout = max(1.0, level_timeout - (time.time() - t0))
         prompts = rng.integers(0, vocab, (num_prompts, args.input_len)).tolist()
         records, start, end = run_level(url, build_payload(args, model, args.output_len), prompts,
-                                        concurrency, num_procs, level_timeout or 1e9, headers, args.mask_check, cpus)
+                                        concurrency, num_procs, level_timeout or 1e9, headers, args.mask_check, cpus,
+                                        **level_kw)
         summary = summarize(records, start, end, concurrency, args.input_len)
         truncated = summary["truncated"]
         summary["client_procs"] = num_procs
@@ -278,6 +333,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server, without /v1.")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64], help="Requests kept in flight.")
+    parser.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions",
+                        help="completions: /v1/completions; chat: /v1/chat/completions (the server needs a tokenizer, "
+                             "see prompt_field); generate: /inference/v1/generate.")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="One JSON body per request instead of server-sent events (what RL clients read).")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="Requests per concurrency level (default: max(concurrency, 128)).")
     parser.add_argument("--input-len", type=int, default=128)

@@ -77,3 +77,90 @@ def test_request_output_accepts_and_ignores_unknown_keywords(caplog: pytest.LogC
     assert "ignoring unknown argument(s) some_future_field" in caplog.text
     with pytest.raises(TypeError):  # a missing required field is still the caller's error
         RequestOutput(request_id="r")  # type: ignore[call-arg]
+
+
+def test_sampling_mask_flat_form_matches_the_lists() -> None:
+    """from_flat(ids, offsets): token t's support is ids[offsets[t]:offsets[t + 1]]; its lists, ids, offsets and
+    counts agree with the same masks given as lists (hand-written), and offsets that are not a CSR are refused."""
+    rows = [[3, 7, 9], [], [1], [0, 2, 151935]]
+    offsets = np.array([0, 3, 3, 4, 7])
+    mask = SamplingMask.from_flat(np.array([3, 7, 9, 1, 0, 2, 151935], dtype=np.int64), offsets)
+    assert mask.token_ids == rows and mask == SamplingMask(token_ids=rows) and len(mask) == 4
+    assert mask.ids.dtype == np.int32 and mask.offsets.dtype == np.int64
+    np.testing.assert_array_equal(mask.offsets, offsets)
+    np.testing.assert_array_equal(mask.counts, [3, 0, 1, 3])
+    np.testing.assert_array_equal(SamplingMask(token_ids=rows).offsets, offsets)
+    assert mask.json_text() is None  # no engine text: the lists go through the encoder
+    for bad in ([1, 3, 3, 4, 7], [0, 3, 2, 4, 7], [0, 3, 3, 4, 6], []):
+        with pytest.raises(ValueError):
+            SamplingMask.from_flat(np.arange(7), np.array(bad))
+
+
+def test_mask_text_blocks_across_block_boundaries() -> None:
+    """MaskTextBlocks writes rows into blocks that double from the first row's size: the parts of 300 rows of
+    random sizes (many blocks) are json.dumps of the rows, an owned hand-over closes its last block in place (no
+    copy), and a reader of the first k tokens (a cumulative output) sees exactly those, also after more appends
+    and after the owner closed the text."""
+    from vllm.outputs import MaskTextBlocks, _text_parts
+
+    rng = np.random.default_rng(3)
+    rows = [sorted(rng.choice(151_936, int(rng.integers(0, 60)), replace=False).tolist()) for _ in range(300)]
+    blocks = MaskTextBlocks()
+    snapshots = []
+    for k, row in enumerate(rows):
+        blocks.append(np.frombuffer(json.dumps(row, separators=(",", ":")).encode(), np.uint8))
+        if k in (0, 7, 150):
+            snapshots.append((k + 1, blocks.snapshot()))
+    assert len(blocks.blocks) > 3 and max(map(len, blocks.blocks)) <= MaskTextBlocks.BLOCK_BYTES
+    whole = blocks.snapshot()
+    owned = _text_parts(*whole, owned=True)
+    assert owned[0] is blocks.blocks[0] and len(owned) == len(blocks.blocks)
+    assert b"".join(owned) == json.dumps(rows, separators=(",", ":")).encode()
+    for num, snap in snapshots:
+        assert json.loads(b"".join(_text_parts(*snap, owned=False))) == rows[:num]
+    assert _text_parts([], 0, 0, 0, owned=True) == [b"[]"]
+
+
+def test_cumulative_masks_share_and_stay_whole() -> None:
+    """A cumulative output's mask reads its first tokens of its request's buffers while the request goes on; the
+    final (owned) hand-over of the same buffers does not change what the earlier one reads."""
+    from vllm.v1.engine.mask_accumulator import MaskAccumulator
+    from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
+
+    rows = [[1, 5], [2], [0, 3, 4]]
+    acc = MaskAccumulator("r")
+    seen = []
+    for k, row in enumerate(rows):
+        text = np.frombuffer(json.dumps(row, separators=(",", ":")).encode(), np.uint8)
+        acc.append(SamplingMaskLists(np.array(row, np.int32), None), SamplingMaskText(text, None), 1, 1, k)
+        seen.append(acc.take(keep=k < len(rows) - 1))
+    assert acc.num == 0  # the last take handed the buffers over
+    for k, mask in enumerate(seen):
+        assert mask.token_ids == rows[:k + 1]
+        assert json.loads(mask.json_text()) == rows[:k + 1]
+        np.testing.assert_array_equal(mask.offsets, np.cumsum([0] + [len(r) for r in rows[:k + 1]]))
+    assert seen[0].json_text() == b"[[1,5]]" and seen[-1].json_text() == b"[[1,5],[2],[0,3,4]]"
+
+
+def test_sampling_mask_pickles_with_its_masks() -> None:
+    """A RequestOutput crosses processes pickled (Ray actors return rollouts so): a mask handed over by the output
+    processor (id views of a step's array, text blocks) comes back with the same masks, and carries only its own
+    rows' ids, not the whole step array its views came from."""
+    import pickle
+
+    from vllm.v1.engine.mask_accumulator import MaskAccumulator
+    from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
+
+    step = np.arange(100_000, dtype=np.int32)  # a step's array, much larger than the request's rows
+    rows = [[1, 5], [7]]
+    acc = MaskAccumulator("r")
+    for k, row in enumerate(rows):
+        view = step[row[0]:row[0] + 1] if len(row) == 1 else step[[1, 5]]
+        text = np.frombuffer(json.dumps(row, separators=(",", ":")).encode(), np.uint8)
+        acc.append(SamplingMaskLists(view, None), SamplingMaskText(text, None), 1, 1, k)
+    mask = acc.take(keep=False)
+    data = pickle.dumps(mask)
+    assert len(data) < 4_000  # not the step's 400 KB
+    back = pickle.loads(data)
+    assert back.token_ids == rows and json.loads(back.json_text()) == rows
+    np.testing.assert_array_equal(back.offsets, [0, 2, 3])

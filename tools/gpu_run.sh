@@ -9,7 +9,8 @@
 # Stage `tests` runs only the GPU kernels' and the worker's tests, or TEST_PATHS.
 # Stages of docs/benchmarks.md: `backend` (Triton attention vs the torch reference), `mask`, `attn`, `topk`,
 # `sampler` (kernel benchmarks), `kprof` (the decode step kernel by kernel), `throughput` (offline, no mask),
-# `offline_mask` (offline without / with masks), `ab` (the serving A/B, AB_ARGS), `acceptance_rounds` (the serving
+# `offline_mask` (offline without / with masks), `ab` (the serving A/B, AB_ARGS; its `--paths` adds the non-streamed
+# completions / chat / generate and the offline LLM.generate arms of issue 30), `acceptance_rounds` (the serving
 # A/B of the headline: no mask and mask, three rounds), `weight_update` (RL weight updates), `sleep` (sleep mode's
 # CUDA tests and benchmark), `prefix` (the prefix cache's GRPO and multi-turn benchmarks, cache on and off). `offline_trees` compares source trees offline (TREES; tools/snap_trees.sh),
 # tools/gpu_ab_trees.sh the same for the serving A/B.

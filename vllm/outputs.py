@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,91 +25,224 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
+class MaskTextBlocks:
+    """Tokens' sampling masks as JSON text, written back to back into a few large buffers: "[" and then each
+    token's list followed by ",". The first buffer fits the first row, each next one is twice the last, up to
+    BLOCK_BYTES, so that a long response's text is a handful of buffers, filled while the request ran, that a
+    server sends as they are (no join at the end) once the last "," is made the closing "]" (`parts`).
+
+    Invariant: bytes written are never changed or moved, except an owner's last "," -> "]" (the used part of
+    a buffer is what a reader of the first `num` tokens reads, `snapshot`)."""
+
+    BLOCK_BYTES = 1 << 18
+
+    __slots__ = ("blocks", "pos", "num")
+
+    def __init__(self) -> None:
+        self.blocks: list[bytearray] = []
+        self.pos = 0  # bytes used in the last block
+        self.num = 0
+
+    def append(self, row: Any) -> None:
+        """One token's JSON list ("[3,17,42]", any buffer of bytes)."""
+        n = len(row)
+        blocks = self.blocks
+        block = blocks[-1] if blocks else None
+        pos = self.pos
+        if block is None or pos + n + 1 > len(block):
+            if block is not None:
+                size = min(2 * len(block), self.BLOCK_BYTES)
+                del block[pos:]  # the spare tail goes; the used part stays where it is
+            else:
+                size = 0
+            block = bytearray(max(size, n + 2))
+            if not blocks:
+                block[0] = _OPEN
+                pos = 1
+            else:
+                pos = 0
+            blocks.append(block)
+        # NOTE: a memoryview takes any buffer (a numpy row too) and copies it with one memcpy.
+        memoryview(block)[pos:pos + n] = row
+        block[pos + n] = _COMMA
+        self.pos = pos + n + 1
+        self.num += 1
+
+    def snapshot(self) -> tuple[list[bytearray], int, int, int]:
+        """(blocks, blocks used, bytes used in the last one, tokens): what `parts` reads."""
+        return self.blocks, len(self.blocks), self.pos, self.num
+
+
+def _text_parts(blocks: list[bytearray], num_blocks: int, last: int, num: int, owned: bool) -> list[Any]:
+    """The JSON text of a MaskTextBlocks snapshot as buffers in order. owned (no one appends to these blocks any
+    more): the blocks themselves, the last one closed in place and cut to its used part; else a copy of the last
+    one's used part."""
+    if num == 0:
+        return [b"[]"]
+    block = blocks[num_blocks - 1]
+    if owned:
+        if len(block) > last:
+            del block[last:]
+        block[last - 1] = _CLOSE
+        return blocks[:num_blocks]
+    return [*blocks[:num_blocks - 1], b"".join((memoryview(block)[:last - 1], b"]"))]
+
+
 class SamplingMask:
     """The support of each generated token: the ids the sampler could have drawn, ascending, one list per
     token and aligned 1:1 with `CompletionOutput.token_ids`.
 
-    `token_ids` (upstream's name) is a `list[list[int]]`, built on first access: the engine hands over one int32
-    array per token, so a caller that wants the compact form (`ids`, all supports concatenated, and `counts`,
-    ids per token) never pays for hundreds of Python ints per token. In an API server the engine may hand over
-    only each token's JSON text ("[3,17,42]" as uint8, formatted on the device): the server splices it into the
-    response as is (`json_text`), and the ids are parsed from it only if something asks for them.
+    `token_ids` (upstream's name) is a `list[list[int]]`, built on first access only, so that a caller who never
+    reads it never pays for hundreds of Python ints per token. The other forms:
+
+    - `ids` (int32, every token's support concatenated in token order) and `offsets` (int64, token t owns
+      `ids[offsets[t]:offsets[t + 1]]`), or `counts` (ids per token): the compact form, numpy arrays with no
+      Python object per id (`SamplingMask.from_flat(ids, offsets)` builds a mask from them);
+    - `json_parts()` / `json_text()`: in an API server the engine may hand over only each token's JSON text
+      ("[3,17,42]", formatted on the device): the masks' JSON ("[[3,17,42],[5]]") is then spliced into the
+      response as is (as a few buffers, or one), and the ids are parsed from it only if something asks for them.
+
+    Held as the engine handed it over (vllm/v1/engine/mask_accumulator.py): per token a buffer of its int32 ids
+    (`_id_rows`, with each token's end in the ids, `_ends`) and/or the text in MaskTextBlocks (`_text`: a
+    snapshot); a cumulative output shares its request's buffers, which only grow, and reads the first `_num`
+    tokens (`_owned` False: it copies what it would otherwise close in place). Each form is built once, when
+    first asked for (`_ids`, `_token_ids`).
     """
 
-    __slots__ = ("_arrays", "_token_ids", "_texts")
+    __slots__ = ("_num", "_id_rows", "_ids", "_ends", "_text", "_owned", "_token_ids")
 
     def __init__(self, token_ids: list[list[int]] | None = None, *, arrays: Sequence[np.ndarray] | None = None,
-                 texts: Sequence[np.ndarray] | None = None):
+                 texts: Sequence[np.ndarray | bytes] | None = None):
         if token_ids is not None and (arrays is not None or texts is not None):
             raise ValueError("SamplingMask takes token_ids, or arrays and/or texts, not both.")
-        self._arrays = list(arrays) if arrays is not None else None
-        self._texts = list(texts) if texts is not None else None
-        self._token_ids = token_ids if token_ids is not None else (
-            [] if arrays is None and texts is None else None)
-        if self._texts is not None and self._arrays is not None and len(self._texts) != len(self._arrays):
+        if texts is not None and arrays is not None and len(texts) != len(arrays):
             raise ValueError("SamplingMask texts and arrays must have one entry per token each.")
+        self._token_ids = token_ids if token_ids is not None else ([] if arrays is None and texts is None else None)
+        self._num = len(token_ids if token_ids is not None else arrays if arrays is not None else texts or [])
+        self._ids = self._text = None
+        self._owned = True
+        self._id_rows = [np.ascontiguousarray(a, dtype=np.int32) for a in arrays] if arrays is not None else None
+        self._ends = np.cumsum([len(a) for a in arrays], dtype=np.int64) if arrays is not None else None
+        if texts is not None:
+            text = MaskTextBlocks()
+            for t in texts:
+                text.append(t)
+            self._text = text.snapshot()
 
     @classmethod
-    def of_lists(cls, arrays: list[np.ndarray] | None, texts: list[np.ndarray] | None) -> SamplingMask:
-        """`SamplingMask(arrays=arrays, texts=texts)` that takes the lists as they are, without copying or checking
-        them (once per streamed chunk): the caller gives them up; one at least is given, of one entry per token."""
-        mask = cls.__new__(cls)
-        mask._arrays, mask._texts, mask._token_ids = arrays, texts, None
+    def from_flat(cls, ids: np.ndarray, offsets: np.ndarray) -> SamplingMask:
+        """The masks of len(offsets) - 1 tokens in the compact form: token t's support is
+        ids[offsets[t]:offsets[t + 1]] (offsets start at 0, never decrease, and end at len(ids))."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if offsets.ndim != 1 or not len(offsets) or offsets[0] != 0 or offsets[-1] != len(ids) \
+                or (np.diff(offsets) < 0).any():
+            raise ValueError("SamplingMask offsets must start at 0, never decrease and end at len(ids).")
+        mask = cls._handed_over(len(offsets) - 1, None, offsets[1:], None, True)
+        mask._ids = np.asarray(ids, dtype=np.int32)
         return mask
 
-    def json_text(self) -> bytes | None:
-        """`token_ids` as JSON (a list of lists, no spaces) from the engine's text, or None without it."""
-        if self._texts is None:
+    @classmethod
+    def _handed_over(cls, num: int, id_rows: list | None, ends: Any, text: tuple | None,
+                     owned: bool) -> SamplingMask:
+        """A mask of the first `num` tokens of these buffers (int32 id rows with their `ends`, a MaskTextBlocks
+        snapshot), as they are: no copy, no check (the output processor's hand-over)."""
+        mask = cls.__new__(cls)
+        mask._num, mask._id_rows, mask._ends, mask._text, mask._owned = num, id_rows, ends, text, owned
+        mask._ids = mask._token_ids = None
+        return mask
+
+    def json_parts(self) -> list[Any] | None:
+        """`token_ids` as JSON (a list of lists, no spaces) from the engine's text, as buffers to send in order
+        (no join: an owned mask's own blocks), or None without the text. Do not change them."""
+        if self._text is None:
             return None
-        if len(self._texts) == 1:  # a streamed token's: one copy of its text, not two
-            return b"".join((b"[", self._texts[0], b"]"))
-        return b"".join((b"[", b",".join(self._texts), b"]"))
+        return _text_parts(*self._text, self._owned)
 
-    def _id_arrays(self) -> list[np.ndarray] | None:
-        """One int32 array per token, parsed from the texts if the engine sent only those (kept)."""
-        if self._arrays is None and self._texts is not None:
-            self._arrays = [ids_from_json_text(t) for t in self._texts]
-        return self._arrays
-
-    @property
-    def token_ids(self) -> list[list[int]]:
-        if self._token_ids is None:
-            arrays = self._id_arrays()
-            assert arrays is not None
-            self._token_ids = [a.tolist() for a in arrays]
-        return self._token_ids
-
-    @property
-    def counts(self) -> np.ndarray:
-        """[num_tokens] int64: the support size of each token."""
-        arrays = self._id_arrays()
-        if arrays is not None:
-            return np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-        return np.array([len(m) for m in self.token_ids], dtype=np.int64)
+    def json_text(self) -> bytes | bytearray | None:
+        """`json_parts()` as one buffer (joined if need be)."""
+        parts = self.json_parts()
+        if parts is None:
+            return None
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @property
     def ids(self) -> np.ndarray:
         """[sum(counts)] int32: every token's support, concatenated in token order."""
-        arrays = self._id_arrays()
-        if arrays is not None:
-            return np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, dtype=np.int32)
-        return np.array([i for m in self.token_ids for i in m], dtype=np.int32)
+        if self._ids is None:
+            if self._id_rows is not None:
+                rows, n = self._id_rows, self._num
+                self._ids = np.concatenate(rows[:n]).astype(np.int32, copy=False) if n else np.zeros(0, np.int32)
+                self._id_rows = None  # NOTE: the views go, and with them what they kept alive of the steps
+            elif self._text is not None:
+                self._from_text()
+            else:  # built from lists
+                self._ids = np.fromiter(itertools.chain.from_iterable(self.token_ids), dtype=np.int32)
+        return self._ids  # type: ignore[return-value]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """[num_tokens + 1] int64: token t's support is ids[offsets[t]:offsets[t + 1]]."""
+        if self._ends is None:
+            if self._text is not None:
+                self._from_text()
+            else:
+                return np.cumsum([0] + [len(m) for m in self.token_ids], dtype=np.int64)
+        offsets = np.zeros(self._num + 1, dtype=np.int64)
+        offsets[1:] = self._ends[:self._num]
+        return offsets
+
+    @property
+    def counts(self) -> np.ndarray:
+        """[num_tokens] int64: the support size of each token."""
+        return np.diff(self.offsets)
+
+    def _from_text(self) -> None:
+        """The ids, their ends and the lists parsed from the JSON text (a mask the engine sent as text only)."""
+        rows = _lists_decoder.decode(self.json_text())
+        ends = np.cumsum([len(r) for r in rows], dtype=np.int64)
+        self._ends = ends
+        self._ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32,
+                                count=int(ends[-1]) if len(rows) else 0)
+        if self._token_ids is None:
+            self._token_ids = rows
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        if self._token_ids is None:
+            if not self._has_ids():
+                self._from_text()  # NOTE: parsed straight into the lists
+            else:
+                flat, ends = self.ids.tolist(), self.offsets.tolist()
+                self._token_ids = [flat[a:b] for a, b in zip(ends, ends[1:])]
+        return self._token_ids  # type: ignore[return-value]
+
+    def _has_ids(self) -> bool:
+        return self._id_rows is not None or self._ids is not None
 
     def concat(self, other: SamplingMask) -> SamplingMask:
-        """The masks of this output's tokens followed by `other`'s (for merging streamed deltas)."""
-        if self._token_ids is not None and self._arrays is None and self._texts is None or \
-                other._token_ids is not None and other._arrays is None and other._texts is None:
+        """The masks of this output's tokens followed by `other`'s (for merging streamed deltas): the texts when
+        both have them, the ids (parsed from a text if need be) when both have them or only one side has texts."""
+        sides = (self, other)
+        if any(not s._has_ids() and s._text is None for s in sides):  # a side built from lists
             return SamplingMask(self.token_ids + other.token_ids)
-        texts = self._texts + other._texts if self._texts is not None and other._texts is not None else None
-        arrays = self._arrays + other._arrays if self._arrays is not None and other._arrays is not None else None
-        if texts is None and arrays is None:  # one side has only texts, the other only arrays
-            arrays = self._id_arrays() + other._id_arrays()  # type: ignore[operator]
-        return SamplingMask(arrays=arrays, texts=texts)
+        text = None
+        if self._text is not None and other._text is not None:
+            blocks = MaskTextBlocks()
+            for side in sides:
+                if side._num:
+                    whole = side.json_text()
+                    blocks.append(memoryview(whole)[1:-1])  # its rows, "," between them: one append of them all
+            text = blocks.snapshot()[:3] + (self._num + other._num,)
+        ids = ends = None
+        if all(s._has_ids() for s in sides) or text is None:
+            ids = np.concatenate((self.ids, other.ids))
+            ends = np.concatenate((self.offsets[1:], other.offsets[1:] + len(self.ids)))
+        mask = SamplingMask._handed_over(self._num + other._num, None, ends, text, True)
+        mask._ids = ids
+        return mask
 
     def __len__(self) -> int:
-        if self._arrays is not None:
-            return len(self._arrays)
-        return len(self._texts) if self._texts is not None else len(self.token_ids)
+        return self._num
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SamplingMask) and self.token_ids == other.token_ids
@@ -129,6 +263,8 @@ def json_text_of(ids: np.ndarray) -> bytes:
 
 
 _ids_decoder = msgspec.json.Decoder(list[int])
+_lists_decoder = msgspec.json.Decoder(list[list[int]])
+_OPEN, _COMMA, _CLOSE = ord("["), ord(","), ord("]")
 _ids_encoder = msgspec.json.Encoder()
 
 

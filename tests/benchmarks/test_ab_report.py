@@ -50,3 +50,15 @@ def test_host_speed_before_each_arm_is_listed_per_round() -> None:
     assert "- round 1: no-mask 43.0, mask 84.3\n- round 2: no-mask 44.0" in table
     single = report.markdown(rounds[0], [4])
     assert "Host speed before each arm" in single and "- no-mask 43.0, mask 84.3" in single
+
+
+def test_each_path_is_compared_with_no_mask_on_the_same_path() -> None:
+    """Columns ARM#PATH (ab_sampling_mask.result_name) take their ratio against no-mask#PATH, the streamed ARM
+    against no-mask (hand-worked: 90 / 100 streamed, 99 / 110 generate, 54 / 60 offline)."""
+    arms = [_arm("no-mask", {4: 100.0}), _arm("mask", {4: 90.0}), _arm("no-mask#generate", {4: 110.0}),
+            _arm("mask#generate", {4: 99.0}), _arm("no-mask#offline", {4: 60.0}), _arm("mask#offline", {4: 54.0})]
+    assert report.baseline("mask#generate") == "no-mask#generate" and report.baseline("mask") == "no-mask"
+    table = report.markdown(arms, [4])
+    header = table.splitlines()[2]
+    assert header.endswith("| mask / no-mask | mask#generate / no-mask#generate | mask#offline / no-mask#offline |")
+    assert table.splitlines()[4].endswith("| 0.900 | 0.900 | 0.900 |")

@@ -163,3 +163,58 @@ def test_arm_rounds_runs_one_arm_in_the_last_rounds_only(monkeypatch, tmp_path, 
         with pytest.raises(SystemExit):
             ab.main()
         assert message in capsys.readouterr().err
+
+
+def test_paths_run_per_arm_and_become_columns(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """--paths stream generate chat offline: per arm one server for the streamed and generate levels, one with the
+    synthetic tokenizer for chat, and the offline run; each path a column ARM#PATH compared with no-mask#PATH."""
+    import json
+
+    runs: list[tuple[str, list[str] | None, str | None]] = []
+
+    def fake_run_arm(args, arm, arm_deadline, log_suffix="", paths=None, tokenizer=None):  # noqa: ANN001, ANN202
+        runs.append((arm, paths, tokenizer and os.path.basename(tokenizer)))
+        base = 100.0 if arm == "no-mask" else 99.0
+        return {"arm": arm, "error": None, "server_log": "x.log",
+                "levels": [{"concurrency": 4, "path": p, "output_throughput": base + i, "truncated": False,
+                            "masks_ok": None, "ttft_ms_median": 1.0, "tpot_ms_median": 1.0}
+                           for i, p in enumerate(paths or ["stream"])]}
+
+    def fake_offline(args, arm, arm_deadline, log_suffix=""):  # noqa: ANN001, ANN202
+        runs.append((arm, ["offline"], None))
+        return {"arm": arm, "error": None, "server_log": "o.log",
+                "levels": [{"concurrency": 4, "path": "offline", "output_throughput": 50.0 if arm == "no-mask" else 49.0,
+                            "truncated": False, "masks_ok": None, "ttft_ms_median": None, "tpot_ms_median": None}]}
+
+    monkeypatch.setattr(ab, "run_arm", fake_run_arm)
+    monkeypatch.setattr(ab, "run_offline", fake_offline)
+    monkeypatch.setattr(ab, "plot", lambda *a, **k: None)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 40}))
+    monkeypatch.setattr(sys, "argv", ["ab_sampling_mask.py", "--arms", "no-mask", "mask", "--paths", "stream",
+                                      "generate", "chat", "offline", "--concurrencies", "4", "--no-prime",
+                                      "--model", str(model), "--out-dir", str(tmp_path / "out")])
+    ab.main()
+    assert runs == [("no-mask", ["stream", "generate"], None), ("no-mask", ["chat"], "id_tokenizer"),
+                    ("no-mask", ["offline"], None), ("mask", ["stream", "generate"], None),
+                    ("mask", ["chat"], "id_tokenizer"), ("mask", ["offline"], None)]
+    result = json.loads((tmp_path / "out" / "ab_sampling_mask.json").read_text())
+    assert [a["arm"] for a in result["arms"]] == ["no-mask", "no-mask#generate", "no-mask#chat", "no-mask#offline",
+                                                  "mask", "mask#generate", "mask#chat", "mask#offline"]
+    table = (tmp_path / "out" / "ab_sampling_mask.md").read_text()
+    # 99 / 100 (stream), 100 / 101 (generate), 99 / 100 (chat, its own server's first path), 49 / 50 (offline).
+    assert "| 0.990 | 0.990 | 0.990 | 0.980 |" in table
+
+
+def test_id_tokenizer_reads_and_writes_ids_as_words(tmp_path) -> None:  # noqa: ANN001
+    """The chat path's synthetic tokenizer: "<5><17>" is [5, 17] through encode and through the chat template,
+    and every id decodes back to its word, pieces and whole alike."""
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(ab.write_id_tokenizer(str(tmp_path / "tok"), 1000))
+    assert tok.encode("<5><17><999>", add_special_tokens=False) == [5, 17, 999]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "<5><17>"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert tok.encode(rendered, add_special_tokens=False) == [5, 17]
+    assert tok.decode([5, 17, 999]) == "<5><17><999>" == tok.decode([5]) + tok.decode([17]) + tok.decode([999])

@@ -108,3 +108,36 @@ def test_no_mask_server_reports_no_mask_check(server_url: str) -> None:
     (r,) = bs.run_benchmark(args, log=lambda _: None)
     assert r["completed"] == 1 and r["output_tokens"] == 3
     assert r["masks_ok"] is None and r["mask_requests"] == 0
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "generate"])
+def test_non_streamed_load_counts_tokens_and_masks(server_url: str, endpoint: str) -> None:
+    """--no-stream: one body per request, its tokens (usage and token_ids) and masks counted as a stream's."""
+    args = bs.make_parser().parse_args(
+        ["--base-url", server_url, "--endpoint", endpoint, "--no-stream", "--concurrency", "2", "--num-prompts", "3",
+         "--input-len", "6", "--output-len", "4", "--temperature", "1", "--top-p", "0.9", "--top-k", "7",
+         "--logprobs", "1", "--num-warmups", "1", "--warmup-output-len", "2", "--num-client-procs", "1",
+         "--mask-check", "count"])
+    (r,) = bs.run_benchmark(args, log=lambda _: None)
+    assert r["completed"] == 3 and r["failed"] == 0 and r["output_tokens"] == 12
+    assert r["token_count_mismatches"] == 0
+    assert r["masks_ok"] is True and r["mask_requests"] == 3 and r["masks_received"] == 12
+    assert 1.0 <= r["mean_mask_size"] <= 7.0
+    assert r["ttft_ms_median"] == pytest.approx(r["e2e_ms_median"], rel=0.2)  # the first token is the whole body
+
+
+def test_payloads_per_endpoint() -> None:
+    """Each endpoint's request fields: generate's sampling settings under sampling_params, chat's logprobs as
+    top_logprobs and its prompt as "<id>" words, token ids asked for in non-streamed completions."""
+    base = ["--top-k", "5", "--logprobs", "1", "--temperature", "0.5"]
+    gen = bs.build_payload(bs.make_parser().parse_args(base + ["--endpoint", "generate", "--no-stream"]), "m", 9)
+    assert gen == {"model": "m", "stream": False, "sampling_params": {
+        "max_tokens": 9, "ignore_eos": True, "temperature": 0.5, "top_p": 1.0, "top_k": 5, "logprobs": 1}}
+    chat = bs.build_payload(bs.make_parser().parse_args(base + ["--endpoint", "chat"]), "m", 9)
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 1 and chat["stream"] is True
+    assert chat["stream_options"] == {"include_usage": True} and "return_token_ids" not in chat
+    cmpl = bs.build_payload(bs.make_parser().parse_args(base + ["--no-stream"]), "m", 9)
+    assert cmpl["return_token_ids"] is True and cmpl["logprobs"] == 1 and "stream_options" not in cmpl
+    assert bs.prompt_field("chat", [5, 17]) == {"messages": [{"role": "user", "content": "<5><17>"}]}
+    assert bs.prompt_field("generate", [5]) == {"token_ids": [5]} and bs.prompt_field("completions", [5]) == {
+        "prompt": [5]}

@@ -232,10 +232,18 @@ class StepMasks(NamedTuple):
         ids-free lists (token_ids None) the text only, as the wire carries it."""
         masks, texts = self.masks, self.texts
         assert masks.token_ids is not None or texts is not None, "masks with neither ids nor text"
-        for out, first, num in zip(self.out_index.tolist(), self.first_pos.tolist(), self.num_pos.tolist()):
-            if masks.token_ids is not None:
-                outputs[out].new_sampling_mask = SamplingMaskLists(*_slice_csr(masks.token_ids, masks.offsets, None,
-                                                                               first, num))
+        ids, offsets = masks.token_ids, masks.offsets
+        if ids is not None:
+            assert offsets is not None
+            # NOTE: each output's id range from two gathers for the whole step, not two numpy scalars per output
+            # (the in-process engine materializes ~1000 outputs per step).
+            lo, hi = offsets[self.first_pos].tolist(), offsets[self.first_pos + self.num_pos].tolist()
+        for k, (out, first, num) in enumerate(zip(self.out_index.tolist(), self.first_pos.tolist(),
+                                                  self.num_pos.tolist())):
+            if ids is not None:
+                a = lo[k]
+                outputs[out].new_sampling_mask = SamplingMaskLists(
+                    ids[a:hi[k]], None if num == 1 else offsets[first:first + num + 1] - a)
             if texts is not None:
                 outputs[out].new_sampling_mask_text = SamplingMaskText(*_slice_csr(
                     texts.text, texts.offsets, None, int(texts.packed_rows(first)), num))

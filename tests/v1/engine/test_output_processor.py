@@ -138,7 +138,7 @@ def test_delta_outputs(tok: Tokenizer) -> None:
     state = proc.request_states["d"]
     outputs = run_steps(proc, "d", positions, steps)
     # Handed out step by step, the state keeps no logprob dicts (nor masks) of earlier steps.
-    assert state.logprobs_processor.logprobs == [] and state.sampling_masks == []
+    assert state.logprobs_processor.logprobs == [] and state.masks.num == 0
     i = 0
     text = ""
     for out, step in zip(outputs, steps):
@@ -359,19 +359,20 @@ def test_collector_wakes_its_one_waiter_on_close_and_after_a_cancel() -> None:
     asyncio.run(scenario())
 
 
-def test_final_only_masks_do_not_keep_the_step_message(tok: Tokenizer) -> None:
-    """A request that returns its masks when it finishes copies its rows: the step's message buffer (here a
-    shared array, changed after the step as a reused buffer would be) is neither kept nor read again."""
+def test_final_only_masks_are_views_of_the_steps(tok: Tokenizer) -> None:
+    """A request that returns its masks when it finishes keeps each step's id rows as views of the step's array
+    (no copy per row; the one copy is the join when `ids` is read), and its masks are those rows, in order."""
     proc = OutputProcessor(tok, log_stats=False)
     proc.add_request(make_request("f", [5], output_kind=RequestOutputKind.FINAL_ONLY), prompt=None)
-    step_ids = np.array([3, 9, 11, 4, 7], dtype=np.int32)  # the step's CSR: rows [3, 9, 11] and [4, 7]
-    view = step_ids[:3]
-    proc.process_outputs([EngineCoreOutput("f", [9], None, SamplingMaskLists(view, None))])
-    step_ids[:] = -1
+    step_ids = np.array([3, 9, 11, 4, 7], dtype=np.int32)  # a step's CSR: rows [3, 9, 11] and [4, 7]
+    proc.process_outputs([EngineCoreOutput("f", [9], None, SamplingMaskLists(step_ids[:3], None))])
+    assert np.shares_memory(proc.request_states["f"].masks.id_rows[0], step_ids)
     res = proc.process_outputs([EngineCoreOutput("f", [4], None, SamplingMaskLists(np.array([4, 7], np.int32), None),
                                                  finish_reason=FinishReason.LENGTH)])
     comp = res.request_outputs[0].outputs[0]
     assert comp.sampling_mask is not None and comp.sampling_mask.token_ids == [[3, 9, 11], [4, 7]]
+    np.testing.assert_array_equal(comp.sampling_mask.ids, [3, 9, 11, 4, 7])
+    np.testing.assert_array_equal(comp.sampling_mask.offsets, [0, 3, 5])
 
 
 def test_delta_stream_holds_only_the_latest_step_masks(tok: Tokenizer) -> None:
@@ -397,12 +398,13 @@ def test_delta_stream_holds_only_the_latest_step_masks(tok: Tokenizer) -> None:
         state = proc.request_states["d"]
         res = proc.process_outputs([out])
         comp = res.request_outputs[0].outputs[0]
+        # The output's id rows are views of this step's message (until its ids are read), and once handed out the
+        # state holds none.
+        assert all(np.shares_memory(m, out.new_sampling_mask.token_ids) for m in comp.sampling_mask._id_rows)
+        assert state.masks.num == 0 and state.masks.id_rows == [] and state.masks.text.num == 0
         assert comp.token_ids == [p.token_id for p in chunk]
         assert comp.sampling_mask.token_ids == [p.mask for p in chunk]
         assert comp.sampling_mask.json_text() == b"[" + b",".join(texts) + b"]"
-        # The output's masks are views of this step's message, and once handed out the state holds none.
-        assert state.sampling_masks == [] and state.sampling_mask_texts == []
-        assert all(np.shares_memory(m, out.new_sampling_mask.token_ids) for m in comp.sampling_mask._arrays)
     assert proc.get_num_unfinished_requests() == 0
 
 
@@ -488,13 +490,13 @@ def test_collector_builds_pending_steps_when_taken(tok: Tokenizer) -> None:
     state = proc.request_states["s"]
     proc.process_outputs([step_output(positions[:2])])
     proc.process_outputs([step_output(positions[2:3])])
-    assert not collector.empty() and len(state.sampling_mask_texts) == 3
+    assert not collector.empty() and state.masks.num == 3
     first = collector.get_nowait().outputs[0]
     assert first.token_ids == token_ids[:3] and first.text == tok.decode(token_ids[:3])
     assert first.logprobs == [expected_logprob_dict(tok, p) for p in positions[:3]]
     assert first.sampling_mask.json_text() == json.dumps([p.mask for p in positions[:3]],
                                                          separators=(",", ":")).encode()
-    assert collector.empty() and state.sampling_mask_texts == []
+    assert collector.empty() and state.masks.num == 0
     proc.process_outputs([step_output(positions[3:4])])
     assert proc.abort_requests(["s"]) == ["s"]
     last = asyncio.run(collector.get())

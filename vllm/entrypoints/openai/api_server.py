@@ -75,7 +75,7 @@ from vllm.entrypoints.openai.tool_parsers import get_tool_parser
 from vllm.entrypoints.openai.request_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, PreprocessPool, RequestGuard
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import (NotFoundError, ServerShuttingDownError, SSEStream, encode_body,
+from vllm.entrypoints.openai.serving_engine import (NotFoundError, ServerShuttingDownError, SSEStream,
                                                     error_body)
 from vllm.entrypoints.openai.serving_generate import OpenAIServingGenerate
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -199,8 +199,8 @@ def _respond(result: Any) -> Response:
         return Response(status_code=499)
     if isinstance(result, SSEStream):
         return _SSEResponse(result)
-    if isinstance(result, dict):  # a response with the engine's mask texts spliced in (with_mask_texts)
-        return Response(encode_body(result), media_type="application/json")
+    if isinstance(result, Response):  # a response with the engine's mask texts spliced in (with_mask_texts)
+        return result
     return JSONResponse(result.model_dump())
 
 

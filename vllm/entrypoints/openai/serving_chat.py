@@ -35,7 +35,7 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComplet
                                               random_uuid)
 from vllm.entrypoints.openai.tool_parsers import Hermes2ProToolParser, HermesStreamState
 from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, prompt_char_limit
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts,
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SplicedJSONResponse, SSEStream, mask_texts,
                                                     prompt_logprobs_json, sse, weight_spans, with_mask_texts)
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
@@ -185,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
         return await self.encode(rendered, request.add_special_tokens, "messages")
 
     async def create_chat_completion(self, request: ChatCompletionRequest
-                                     ) -> ChatCompletionResponse | dict | SSEStream:
+                                     ) -> ChatCompletionResponse | SplicedJSONResponse | SSEStream:
         model = self.model_name(request.model)
         parser = self.tool_parser(request.parallel_tool_calls is not False) \
             if resolve_tool_choice(request, self.tool_parser) == "auto" else None

@@ -20,8 +20,8 @@ import msgspec
 
 from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
 from vllm import envs
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, prompt_logprobs_json, sse,
-                                                    weight_spans, with_mask_texts)
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SplicedJSONResponse, SSEStream,
+                                                    prompt_logprobs_json, sse, weight_spans, with_mask_texts)
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import PromptType
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -138,16 +138,17 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.tokenizer.decode(list(out.prompt_token_ids), skip_special_tokens=False)
 
     def _choice(self, request: CompletionRequest, index: int, out: RequestOutput, c: CompletionOutput,
-                text_offset: int, echo: bool = False, first: bool = True, raw_mask: bool = False) -> dict[str, Any]:
+                text_offset: int, echo: bool = False, first: bool = True, raw_mask: bool = False,
+                skip_mask: bool = False) -> dict[str, Any]:
         """One choice with CompletionResponseChoice's fields, as a plain dict (streamed chunks skip pydantic).
 
         echo: this (first) chunk of the choice starts with the prompt: its text, and with logprobs its tokens'
         logprobs (None for the first one) before the generated ones; with echo and max_tokens 0 the prompt alone
         (the generated token's text and logprobs dropped, as vLLM).
         raw_mask: the mask goes in as the engine's JSON text (msgspec.Raw) when it has it: for bodies encoded by
-        msgspec, i.e. streamed chunks, and whole responses through with_mask_texts."""
+        msgspec, i.e. streamed chunks. skip_mask: no mask (a whole response's, which with_mask_texts splices in)."""
         mask: Any = None
-        if c.sampling_mask is not None:
+        if c.sampling_mask is not None and not skip_mask:
             text = c.sampling_mask.json_text() if raw_mask else None
             mask = msgspec.Raw(text) if text is not None else c.sampling_mask.token_ids
         text, lp_ids, lps = c.text, c.token_ids, c.logprobs
@@ -183,7 +184,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 "choices": choices, "usage": usage.model_dump() if usage is not None else None}
 
     async def create_completion(self, request: CompletionRequest
-                                ) -> CompletionResponse | dict | SSEStream:
+                                ) -> CompletionResponse | SplicedJSONResponse | SSEStream:
         model = self.model_name(request.model)
         base_id, request_ids, gens = await self._start(request)
         if request.request_id:  # vLLM's: the response id names the client's request_id (engine ids stay unique)
@@ -194,18 +195,16 @@ class OpenAIServingCompletion(OpenAIServing):
         async for i, out in merge_streams(gens):
             finals[i] = out
         choices = []
-        texts: list[msgspec.Raw | None] = []
+        texts: list[list[Any] | None] = []
         prompt_tokens = completion_tokens = cached_tokens = 0
         for i in range(len(gens)):
             out = finals[i]
             for c in sorted(out.outputs, key=lambda c: c.index):
-                choice = self._choice(request, i * request.n + c.index, out, c, 0, request.echo, raw_mask=True)
-                mask = choice["sampling_mask"]
-                # NOTE: a mask as the engine's JSON text skips pydantic (with_mask_texts puts it back in the body).
-                texts.append(mask if isinstance(mask, msgspec.Raw) else None)
-                if texts[-1] is not None:
-                    choice["sampling_mask"] = None
-                choices.append(choice)
+                # NOTE: a mask as the engine's JSON text skips pydantic (with_mask_texts splices it into the body).
+                text = c.sampling_mask.json_parts() if c.sampling_mask is not None else None
+                texts.append(text)
+                choices.append(self._choice(request, i * request.n + c.index, out, c, 0, request.echo,
+                                            skip_mask=text is not None))
                 completion_tokens += len(c.token_ids)
             prompt_tokens += len(out.prompt_token_ids or [])
             cached_tokens += out.num_cached_tokens or 0

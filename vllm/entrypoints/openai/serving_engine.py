@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 from pydantic import BaseModel
+from starlette.responses import Response
 
 from vllm.outputs import CompletionOutput, Logprob
 from vllm.transformers_utils.tokenizer import Tokenizer
@@ -76,29 +77,68 @@ def weight_spans(c: CompletionOutput) -> list[dict[str, Any]] | None:
     return [{"weight_version": v, "start": s, "end": e} for v, s, e in spans]
 
 
-def mask_texts(outputs: Sequence[CompletionOutput]) -> list[bytes | None]:
-    """Each output's masks as the engine's JSON text, for with_mask_texts (None: no masks, or no text: the masks
-    then go in as lists)."""
-    return [c.sampling_mask.json_text() if c.sampling_mask is not None else None for c in outputs]
+def mask_texts(outputs: Sequence[CompletionOutput]) -> list[list[Any] | None]:
+    """Each output's masks as the engine's JSON text (SamplingMask.json_parts), for with_mask_texts (None: no
+    masks, or no text: the masks then go in as lists)."""
+    return [c.sampling_mask.json_parts() if c.sampling_mask is not None else None for c in outputs]
 
 
-def with_mask_texts(response: BaseModel, texts: Sequence[bytes | msgspec.Raw | None]) -> BaseModel | dict:
+# Where a mask's text goes in the encoded body: a NUL byte, which the JSON encoder never writes itself (control
+# characters in strings are escaped, "\u0000"), so the encoded body splits at exactly these places.
+_SPLICE_MARK = msgspec.Raw(b"\x00")
+
+
+def with_mask_texts(response: BaseModel, texts: Sequence[list[Any] | None]) -> BaseModel | SplicedJSONResponse:
     """A whole (non-streamed) response whose choice i's `sampling_mask` is texts[i] where given: the engine's
-    JSON text of the choice's masks (SamplingMask.json_text), spliced in as is (msgspec.Raw) instead of hundreds
-    of Python ints per token through pydantic. The response without any text is returned as it is; with texts,
-    as a dict that `encode_body` writes."""
+    JSON text of the choice's masks as buffers in order (SamplingMask.json_parts), spliced in as they are instead
+    of hundreds of Python ints per token through pydantic. The response without any text is returned as it is;
+    with texts, as the body's parts (SplicedJSONResponse): the rest of the body encoded once with a mark where
+    each text goes and cut there, the texts' buffers between the pieces, never copied into one body."""
     if all(t is None for t in texts):
         return response
     body = response.model_dump()
+    spliced = []
     for choice, text in zip(body["choices"], texts):
         if text is not None:
-            choice["sampling_mask"] = text if isinstance(text, msgspec.Raw) else msgspec.Raw(text)
-    return body
+            choice["sampling_mask"] = _SPLICE_MARK
+            spliced.append(text)
+    pieces = _json_encoder.encode(body).split(b"\x00")
+    assert len(pieces) == len(spliced) + 1
+    parts: list[Any] = [pieces[0]]
+    for text, piece in zip(spliced, pieces[1:]):
+        parts += text
+        parts.append(piece)
+    return SplicedJSONResponse(parts)
 
 
-def encode_body(body: dict) -> bytes:
-    """A JSON response body (as compact as starlette's JSONResponse writes it), with msgspec.Raw parts as is."""
-    return _json_encoder.encode(body)
+class SplicedJSONResponse(Response):
+    """A JSON response sent as its parts in order (with_mask_texts: the encoded body around each choice's masks,
+    and the masks' texts as they are); Content-Length is their total.
+
+    NOTE: a non-streamed response with masks is ~870 KB at 256 tokens x ~500 ids; joining the parts into one body
+    was one more copy of all of it per response (two with the join of per-token texts before it), on the API
+    server's event loop, right when a whole batch of requests finishes together and the next waits to be read."""
+
+    media_type = "application/json"
+
+    def __init__(self, parts: list[Any]) -> None:
+        # NOTE: Response.__init__ is not called: it renders one body and counts it.
+        self.parts = parts
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-length", str(sum(map(len, parts))).encode()),
+                            (b"content-type", b"application/json")]
+
+    @property
+    def body(self) -> bytes:  # type: ignore[override]
+        """The whole body (tests and tools; the server sends the parts)."""
+        return b"".join(self.parts)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = len(self.parts) - 1
+        for i, part in enumerate(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i < last})
 
 
 class OpenAIServing:

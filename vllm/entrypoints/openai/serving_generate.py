@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
                                               GenerateStreamResponse)
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SSEStream, mask_texts,
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SplicedJSONResponse, SSEStream, mask_texts,
                                                     prompt_logprobs_json, sse, weight_spans, with_mask_texts)
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -34,7 +34,7 @@ class OpenAIServingGenerate(OpenAIServing):
             sampling_mask=c.sampling_mask.token_ids if c.sampling_mask is not None and with_mask else None,
             weight_versions=weight_spans(c))
 
-    async def generate(self, request: GenerateRequest) -> GenerateResponse | dict | SSEStream:
+    async def generate(self, request: GenerateRequest) -> GenerateResponse | SplicedJSONResponse | SSEStream:
         self.model_name(request.model)
         params = request.to_sampling_params()
         if not request.token_ids:

@@ -7,9 +7,10 @@ and the sampling masks, and builds a RequestOutput per step according to `Sampli
 Invariants:
 - Token ids, logprob dicts and masks stay aligned 1:1: `len(masks) == len(token_ids)` (and the same for logprobs
   when requested), also when a stop string ends a request in the middle of a multi-token step.
-- Masks are built straight from each step's `SamplingMaskLists` slice (one int32 array per
-  token, turned into lists only when `SamplingMask.token_ids` is read); a request
-  returns masks when its engine-core outputs carry them (the engine flag is on and the request did not opt out).
+- Masks are appended from each step's `SamplingMaskLists` / `SamplingMaskText` slice to the request's
+  MaskAccumulator (the id rows as the views they came in, the texts written into a few blocks) and handed over as
+  a SamplingMask (lists per token only when `SamplingMask.token_ids` is read); a request returns masks when its
+  engine-core outputs carry them (the engine flag is on and the request did not opt out).
 - A request finished by a stop string in the frontend (the engine core still runs it) is listed in
   `reqs_to_abort`; a finished request's state is dropped at once, later outputs for it are ignored.
 - An n > 1 request is tracked as n child states (engine-core ids `f"{i}_{request_id}"`) plus one ParentRequest
@@ -24,17 +25,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask, ids_from_json_text, json_text_of
+from vllm.outputs import CompletionOutput, RequestOutput, SamplingMask
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import Tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.engine.logprobs import LogprobsProcessor, make_prompt_logprobs
+from vllm.v1.engine.mask_accumulator import MaskAccumulator
 from vllm.v1.engine.output_collector import OutputQueue, RequestOutputCollector
 from vllm.v1.engine.parallel_sampling import ParentRequest
-from vllm.v1.outputs import SamplingMaskLists, SamplingMaskText
 
 
 _STOP = FinishReason.STOP  # a module constant: no enum attribute lookup per output
@@ -78,14 +77,8 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer.from_new_request(
             tokenizer, request, None if sibling is None else sibling.detokenizer)
         self.logprobs_processor = LogprobsProcessor.from_new_request(tokenizer, self.params)
-        # Each output token's mask (DELTA: per token not handed out yet) as an ascending int32 id array and/or as
-        # its JSON text (uint8, formatted by the engine for an API server); both None until the engine core sends
-        # masks. A form is kept while every step brings it (an API server's engine sends only the text);
-        # `has_masks` says masks started.
-        # NOTE: kept as arrays (views of the step's CSR); SamplingMask turns them into lists only on access.
-        self.sampling_masks: list[np.ndarray] | None = None
-        self.sampling_mask_texts: list[np.ndarray] | None = None
-        self.has_masks = False
+        # The output tokens' masks not handed out yet (DELTA: those of the tokens since the last output).
+        self.masks = MaskAccumulator(self.request_id)
         self.queue = queue
         # A streamed request of its own into a collector: its steps go to the queue unbuilt (put_step).
         self.steps_to_queue = (self.delta and parent is None
@@ -98,53 +91,6 @@ class RequestState:
         self.tokenizer = tokenizer if self.params.detokenize else None
         # RequestOutput.prompt_logprobs once the engine core sent them (DELTA: until handed out once).
         self.prompt_logprobs: Any = None
-
-    def append_sampling_masks(self, new_mask: SamplingMaskLists | None, new_text: SamplingMaskText | None,
-                              num_new: int, num_kept: int) -> None:
-        """Append the step's masks (ids, JSON texts, or both, as the engine sent them) for its first `num_kept` of
-        `num_new` new tokens. A request keeps each form while every step brings it; when a step brings only the
-        form it no longer keeps, that one is converted (texts parsed, ids formatted) so the masks stay whole."""
-        if num_new == 0:
-            return
-        if new_mask is None and new_text is None:
-            if self.has_masks:
-                raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens without "
-                                   "their sampling masks after sending masks before.")
-            return
-        # NOTE: the rows are views of the step's message: a request that keeps its masks until it finishes copies
-        # its own rows, so that it does not keep every step's message alive; a streamed (DELTA) request holds
-        # views only of the steps whose output its stream has not taken yet (holding all of them kept every
-        # step's message alive for the request's life: hundreds of MB per API server at 1024 streams).
-        ids = new_mask.rows() if new_mask is not None else None
-        texts = new_text.rows() if new_text is not None else None
-        for rows in (ids, texts):
-            if rows is not None and len(rows) != num_new:
-                raise RuntimeError(f"Request {self.request_id}: the engine core sent {num_new} tokens with "
-                                   f"{len(rows)} sampling masks.")
-        if not self.has_masks:
-            num_before = self.detokenizer.num_output_tokens - num_kept
-            if num_before:
-                raise RuntimeError(f"Request {self.request_id}: sampling masks started after {num_before} tokens.")
-            self.has_masks = True
-            self.sampling_masks, self.sampling_mask_texts = [], []
-        if num_kept < num_new:
-            ids = ids[:num_kept] if ids is not None else None
-            texts = texts[:num_kept] if texts is not None else None
-        if ids is None and self.sampling_mask_texts is None:
-            ids = [ids_from_json_text(t) for t in texts]  # type: ignore[union-attr]
-        if texts is None and self.sampling_masks is None:
-            texts = [np.frombuffer(json_text_of(a), dtype=np.uint8) for a in ids]  # type: ignore[union-attr]
-        if not self.delta:
-            ids = [a.copy() for a in ids] if ids is not None else None
-            texts = [t.copy() for t in texts] if texts is not None else None
-        if ids is None or self.sampling_masks is None:
-            self.sampling_masks = None
-        else:
-            self.sampling_masks.extend(ids)
-        if texts is None or self.sampling_mask_texts is None:
-            self.sampling_mask_texts = None
-        else:
-            self.sampling_mask_texts.extend(texts)
 
     def make_completion_output(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                                stop_reason: int | str | None) -> CompletionOutput | None:
@@ -163,17 +109,12 @@ class RequestState:
             token_ids = list(self.detokenizer.output_token_ids)
             logprobs = None if lp.logprobs is None else lp.logprobs[:]  # a copy (a list, or a FlatLogprobs)
         sampling_mask: SamplingMask | None = None
-        if self.has_masks:
-            masks, texts = self.sampling_masks, self.sampling_mask_texts
-            if delta:
-                # The rows not handed out yet are this output's tokens': handed out now, the state keeps none.
-                assert len(masks if masks is not None else texts) == num_new  # type: ignore[arg-type]
-                self.sampling_masks, self.sampling_mask_texts = [], []
-            else:
-                masks = list(masks) if masks is not None else None
-                texts = list(texts) if texts is not None else None
-            # The lists are this output's own (handed out, or copied just above).
-            sampling_mask = SamplingMask.of_lists(masks, texts)
+        masks = self.masks
+        if masks.started:
+            # DELTA: the masks not handed out yet are this output's tokens'. A request's last output takes its
+            # buffers as they are; a cumulative output before it shares them (vllm/v1/engine/mask_accumulator.py).
+            assert not delta or masks.num == num_new
+            sampling_mask = masks.take(keep=not (delta or finished))
         spans = self.weight_spans or None
         if spans is not None:
             first = self.detokenizer.num_output_tokens - num_new if delta else 0  # this output's tokens from first
@@ -351,8 +292,8 @@ class OutputProcessor:
                     spans.append([weight_version, num_before, num_before + num_kept])
             kept_token_ids = new_token_ids if num_kept == len(new_token_ids) else new_token_ids[:num_kept]
             state.logprobs_processor.update(eco.new_logprobs, num_kept)
-            state.append_sampling_masks(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids),
-                                        num_kept)
+            state.masks.append(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids), num_kept,
+                               num_before)
             state.update_stats(num_kept)
 
             if state.parent is not None:
