@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import os
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -122,6 +123,7 @@ class StubEngine:
         self.text, self.step = text, step
         self.added: list[tuple[list[int], SamplingParams]] = []
         self.errored = False
+        self.engine_core = types.SimpleNamespace(data_parallel_size=1)  # the X-data-parallel-rank check reads it
 
     async def add_request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> str:
         self.added.append((prompt["prompt_token_ids"], params))

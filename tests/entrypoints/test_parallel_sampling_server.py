@@ -155,8 +155,10 @@ def wait_for_metric(server: RemoteServer, name: str, predicate: Callable[[float]
 
 def num_aborted(server: RemoteServer) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(r'^vllm:request_success_total{finished_reason="abort"[^}]*} ([0-9.e+-]+)$', text, re.MULTILINE)
-    return float(match.group(1)) if match is not None else 0.0
+    # NOTE: any label order (the engine label is one of them), summed over the engines.
+    found = re.findall(r'^vllm:request_success_total{[^}]*finished_reason="abort"[^}]*} ([0-9.e+-]+)$', text,
+                       re.MULTILINE)
+    return sum(float(v) for v in found)
 
 
 def test_disconnected_n3_stream_aborts_every_child(server: RemoteServer) -> None:

@@ -143,7 +143,7 @@ def serve(argv: list[str]) -> int:
     import logging
     from vllm.entrypoints.cli.main import make_parser
     from vllm.entrypoints.openai import api_server
-    from vllm.v1.engine import core_client
+    from vllm.v1.engine import core_launch
 
     split = argv.index("--")
     own = argparse.ArgumentParser()
@@ -155,9 +155,9 @@ def serve(argv: list[str]) -> int:
     args = make_parser().parse_args(["serve", *rest])
     factory = functools.partial(replay_core, device_ms=ours.device_ms, device_ms_per_row=ours.device_ms_per_row,
                                 mask_size=ours.mask_size)
-    # NOTE: run_api_servers launches its core through this module attribute; any --api-server-count (1 too) takes
+    # NOTE: run_api_servers launches its cores through this module attribute; any --api-server-count (1 too) takes
     # that path, so every arm's servers are separate processes, as with 4 on the GPU machine.
-    api_server.launch_engine_core = functools.partial(core_client.launch_engine_core, engine_core_factory=factory)
+    api_server.launch_engine_cores = functools.partial(core_launch.launch_engine_cores, engine_core_factory=factory)
     return api_server.run_api_servers(args)
 
 
@@ -199,9 +199,9 @@ def group_pids(pgid: int) -> list[int]:
 
 
 def core_pid(log_path: str) -> int | None:
-    """The engine core's pid, from the launcher's start-up line."""
+    """The (first) engine core's pid, from the launcher's start-up line ("... engine core(s) (pids 123, 124) ...")."""
     with open(log_path, errors="replace") as f:
-        m = re.search(r"the engine core \(pid (\d+)\)", f.read())
+        m = re.search(r"engine core\(s\) \(pids (\d+)", f.read())
     return int(m.group(1)) if m else None
 
 
