@@ -12,7 +12,7 @@ collection every few hundred microseconds and a full one several times a second;
 live request's objects. Measured on the H200 (a GC log since removed): the API servers paused 16-27%
 of the time at 1024 streams before they took these thresholds, and the engine core, still on the defaults,
 10-12 full collections per 5 s at ~1000 rows of 12-25 ms each (longer than a decode step: the device idles),
-4.6-7.2% of the time paused (docs/benchmarks.md).
+4.6-7.2% of the time paused (2026-12-03; the record is in the history of docs/benchmarks.md).
 """
 
 from __future__ import annotations

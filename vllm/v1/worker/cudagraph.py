@@ -48,7 +48,7 @@ sampler graph of the padded request count (model_runner.py), or eagerly.
   forward is launched on the same stream. A decode graph's static output may lie in memory a mixed graph's
   intermediates use: the sampler graph of a mixed step gets its last hidden states copied into it after the
   mixed forward has replayed, on the same stream.
-Measured on an H200 (docs/benchmarks.md, "2026-12-03, fourth session"): the CUDA tests of this module and of
+Measured on an H200 (2026-12-03; docs/benchmarks.md, "Decisions"): the CUDA tests of this module and of
 tests/v1/worker/test_mixed_cudagraph.py pass (real graphs against eager runners; the memory capture takes against
 the reserve); with the sampler graphs of steps with prefills (model_runner.py) the serving A/B gains 3-5% at 256
 and 512 streams and ~1% at 1024 in both rounds, offline +3.3% at 512 requests (ABBA); so both are the only
