@@ -11,7 +11,8 @@ runs it. Messages, pickled once by the driver:
   core's batch queue does on the driver.
 - `("call", method, args, kwargs, checked)`: every rank finishes its steps in flight, then runs the worker method
   (checked: a user's collective_rpc, through Worker.call); the replies `(ok, value)` come back to the driver by
-  `gather_object`, in rank order; an unpicklable reply is replaced by its text.
+  `gather_object`, in rank order; a reply that does not survive a pickle round trip is replaced by a
+  RuntimeError naming the rank and carrying the original's text.
 - `("shutdown",)`: the loop ends.
 
 Invariants:
@@ -94,7 +95,9 @@ def _reply(worker: Worker, method: str | Callable[..., Any], args: tuple, kwargs
     except Exception as e:  # NOTE: the caller's error, raised on the driver; this rank goes on
         reply = (False, e)
     try:
-        pickle.dumps(reply)
+        # NOTE: the round trip, not only dumps: an exception whose __init__ takes other arguments than its args
+        # pickles but fails to unpickle on the driver, inside gather_object, which would end the engine.
+        pickle.loads(pickle.dumps(reply))
     except Exception as e:
         ok, value = reply
         reply = (False, RuntimeError(f"rank {worker.rank}: the {'result' if ok else 'error'} of {method!r} cannot "
