@@ -65,6 +65,14 @@ class Executor(ABC):
     def run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The engine's own call of a worker method on every rank -> one result per rank, in rank order."""
 
+    def run_workers_outcomes(self, method: str, *args: Any, **kwargs: Any) -> list[tuple[bool, Any]]:
+        """run_workers without raising: `(True, result)` or `(False, exception)` per rank, in rank order (the
+        engine's weight updates judge every rank's outcome: vllm/v1/engine/weight_sync.py)."""
+        try:
+            return [(True, value) for value in self.run_workers(method, *args, **kwargs)]
+        except Exception as e:
+            return [(False, e)]
+
     @abstractmethod
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 _PLACEMENT_TIMEOUT_S = 300.0
 _JOIN_TIMEOUT_S = 10.0
 _DEATH_GRACE_S = 2.0
+_EXIT_AFTER_FAILURE_S = 1.0
 
 
 class RayWorkerWrapper:
@@ -50,8 +51,13 @@ class RayWorkerWrapper:
         worker = make_worker(vllm_config, rank, 0, distributed_init_method)
         try:
             run_worker_loop(worker)
-        finally:
-            destroy_distributed_environment()
+        except BaseException:
+            # NOTE: a start-up call failed (distributed.py): the actor's process must end, as a spawned worker's
+            # does, so that the driver's collectives with it fail at once; the error first travels as this call's
+            # result.
+            threading.Timer(_EXIT_AFTER_FAILURE_S, os._exit, (1,)).start()
+            raise
+        destroy_distributed_environment()
 
 
 class RayGpuHolder:
