@@ -4,7 +4,13 @@ TP=4 (async scheduling, two steps in flight on every rank) equal TP=1's in float
 rank in rank order (worker methods, a worker extension, a callable) with each rank's own rank, device and
 process; sleep and wake-up reach every rank; weight updates under TP=2 (from disk, and over the nccl backend with
 world_size = 1 + ranks, gloo on CPU, the trainer in its own process) give the outputs of a fresh TP=1 engine on
-the checkpoint sent; a killed worker process ends in EngineDeadError, not a hang; DP=2 x TP=2 engines.
+the checkpoint sent; a killed worker process ends in EngineDeadError, not a hang; DP=2 x TP=2 engines; "mp" at one
+rank runs in process. Failures on one rank (docs/parallelism.md, "Collectives and failures"): an exception that
+does not unpickle comes back as a RuntimeError naming the rank; a disk update one rank refuses changes no rank;
+one that fails on one rank after the other loaded stops the engine (EngineDeadError, no output from mixed
+weights); a warm-up failure on either rank, the other waiting in a collective, fails the start instead of
+hanging. Unseeded random sampling keeps every rank's token history equal (the global random state is reseeded
+alike on every rank).
 
 Every rank holds its shard of the model (docs/parallelism.md, "Tensor parallel"), so equality with TP=1 checks the
 sharded forward, the gathered logits and the per-rank weight loading together."""
