@@ -162,10 +162,7 @@ def test_model_config_heads_per_rank_and_split_checks() -> None:
 def test_batch_sharded_sampling_refused_with_several_ranks() -> None:
     from vllm.config.parallel import ParallelConfig
     assert ParallelConfig(enable_batch_sharded_sampling=True).tensor_parallel_size == 1  # accepted, no effect
-    try:
-        ParallelConfig(tensor_parallel_size=2)
-    except ValueError as e:  # NOTE: until the executor accepts tensor_parallel_size > 1 (wip/executor)
-        pytest.skip(f"tensor_parallel_size=2 refused here: {e}")
+    assert ParallelConfig(tensor_parallel_size=2).world_size == 2
     with pytest.raises(ValueError, match="enable_batch_sharded_sampling=True is not supported with "
                                          "tensor_parallel_size > 1"):
         ParallelConfig(tensor_parallel_size=2, enable_batch_sharded_sampling=True)

@@ -20,7 +20,7 @@ from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, 
 
 _CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
 # vLLM's short forms of some flags.
-_SHORT_FLAGS = {"data_parallel_size": "-dp"}
+_SHORT_FLAGS = {"data_parallel_size": "-dp", "tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 
 
 @cache

@@ -95,3 +95,45 @@ def worker_pid(worker: Any) -> int:
 
 def dp_and_tp_rank(worker: Any) -> list[int]:
     return [worker.parallel_config.data_parallel_rank, worker.rank]
+
+
+class TwoArgError(Exception):
+    """Pickles but does not unpickle (pickle calls TwoArgError(message)): its __init__ takes two arguments."""
+
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(f"{a}-{b}")
+
+
+def raise_two_arg_error_on_rank1(worker: Any) -> int:
+    if worker.rank == 1:
+        raise TwoArgError("left", "right")
+    return worker.rank
+
+
+def refuse_disk_check_on_rank1(worker: Any) -> int:
+    """Rank 1 alone refuses a disk update at its check (a checkpoint that one node cannot read)."""
+    if worker.rank == 1:
+        def refuse(path: str) -> None:
+            raise ValueError("Weight update refused, no weight was changed: (test: unreadable on this node)")
+        worker.weight_updater.check_disk = refuse
+    return worker.rank
+
+
+def restore_disk_check(worker: Any) -> None:
+    worker.weight_updater.__dict__.pop("check_disk", None)
+
+
+def break_disk_load_on_rank1(worker: Any) -> int:
+    """Rank 1 alone fails its disk load after every rank's check passed (rank 0 loads)."""
+    if worker.rank == 1:
+        def fail(path: str) -> None:
+            raise RuntimeError("The weight transfer failed midway (test: the disk went away on this node)")
+        worker.weight_updater.load_from_disk = fail
+    return worker.rank
+
+
+def batch_token_ids(worker: Any) -> dict[str, list[int]]:
+    """Each live request's token ids (prompt + sampled) as this rank's input batch holds them."""
+    batch = worker.model_runner.input_batch
+    return {req_id: batch.token_ids_cpu[row, :batch.num_tokens[row]].tolist()
+            for row, req_id in enumerate(batch.req_ids)}

@@ -1,5 +1,6 @@
 """distributed_executor_backend="ray" on a local Ray instance (CPU, gloo): rank 1 is a Ray actor of a placement
-group; TP=2 greedy tokens and seeded tokens and masks equal a TP=1 engine's, and collective_rpc answers once per
+group; TP=2 greedy tokens and seeded tokens and masks equal a TP=1 engine's (itself started with the ray backend,
+which one rank accepts), and collective_rpc answers once per
 rank in rank order; a killed actor process gives EngineDeadError. One engine for the module (Ray's start-up is
 the cost); skipped without Ray installed."""
 
@@ -52,8 +53,11 @@ def ray_llm() -> Iterator[LLM]:
 
 
 def test_ray_tp2_outputs_equal_tp1(ray_llm: LLM) -> None:
-    reference = LLM(**ENGINE)
+    # The TP=1 reference asks for the ray backend too: vLLM accepts it at one rank, where the worker runs in the
+    # engine core's process (UniProcExecutor) and no Ray resource is taken.
+    reference = LLM(**ENGINE, distributed_executor_backend="ray")
     try:
+        assert type(reference.llm_engine.engine_core.engine_core.model_executor).__name__ == "UniProcExecutor"
         want = _outputs(reference)
     finally:
         reference.llm_engine.shutdown()

@@ -4,7 +4,13 @@ TP=4 (async scheduling, two steps in flight on every rank) equal TP=1's in float
 rank in rank order (worker methods, a worker extension, a callable) with each rank's own rank, device and
 process; sleep and wake-up reach every rank; weight updates under TP=2 (from disk, and over the nccl backend with
 world_size = 1 + ranks, gloo on CPU, the trainer in its own process) give the outputs of a fresh TP=1 engine on
-the checkpoint sent; a killed worker process ends in EngineDeadError, not a hang; DP=2 x TP=2 engines.
+the checkpoint sent; a killed worker process ends in EngineDeadError, not a hang; DP=2 x TP=2 engines; "mp" at one
+rank runs in process. Failures on one rank (docs/parallelism.md, "Collectives and failures"): an exception that
+does not unpickle comes back as a RuntimeError naming the rank; a disk update one rank refuses changes no rank;
+one that fails on one rank after the other loaded stops the engine (EngineDeadError, no output from mixed
+weights); a warm-up failure on either rank, the other waiting in a collective, fails the start instead of
+hanging. Unseeded random sampling keeps every rank's token history equal (the global random state is reseeded
+alike on every rank).
 
 Every rank holds its shard of the model (docs/parallelism.md, "Tensor parallel"), so equality with TP=1 checks the
 sharded forward, the gathered logits and the per-rank weight loading together."""
@@ -22,7 +28,9 @@ from typing import Any
 import pytest
 import torch.distributed
 from rl_checkpoints import bundled_weights, perturbed_weights, write_checkpoint
-from rl_worker_ext import dp_and_tp_rank, param_sum, rank_and_double, unpicklable_result, worker_rank
+from rl_worker_ext import (batch_token_ids, break_disk_load_on_rank1, dp_and_tp_rank, param_sum,
+                           raise_two_arg_error_on_rank1, rank_and_double, refuse_disk_check_on_rank1,
+                           restore_disk_check, unpicklable_result, worker_rank)
 
 from vllm import LLM, SamplingParams
 from vllm.utils import get_open_port
@@ -104,13 +112,67 @@ def test_collective_rpc_reaches_every_rank_in_order(tp2: LLM) -> None:
     assert tp2.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_unpicklable_exception_of_one_rank(tp2: LLM) -> None:
+    """Rank 1 raises an exception that pickles but does not unpickle: the call fails with a RuntimeError naming
+    the rank and the original text, and the engine serves on."""
+    with pytest.raises(RuntimeError, match=r"rank 1.*TwoArgError.*left-right"):
+        tp2.collective_rpc(raise_two_arg_error_on_rank1)
+    assert tp2.collective_rpc(worker_rank) == [0, 1]
+    assert tp2.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_unseeded_sampling_keeps_ranks_in_step(tp2: LLM) -> None:
+    """Random sampling without a seed draws from the global random state, which every rank must hold alike
+    (worker.py reseeds it at start-up): each rank's input batch, prompt and sampled tokens, equals rank 0's."""
+    engine = tp2.llm_engine
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, return_sampling_mask=False)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"unseeded-{i}", prompt, params)
+    outputs: dict[str, list[int]] = {}
+    for _ in range(12):
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    batches = tp2.collective_rpc(batch_token_ids)
+    assert len(batches) == 2 and set(batches[0]) == {f"unseeded-{i}" for i in range(len(PROMPTS))}
+    assert batches[1] == batches[0]
+    # The driver's batch holds what the requests were given (an independent read of the same tokens).
+    for i, prompt in enumerate(PROMPTS):
+        row = batches[0][f"unseeded-{i}"]
+        ids = prompt["prompt_token_ids"]
+        assert row[:len(ids)] == ids and row[len(ids):len(ids) + len(outputs[f"unseeded-{i}"])] == \
+            outputs[f"unseeded-{i}"]
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_sleep_and_wake_reach_every_rank(tp2: LLM, reference: dict[str, Outputs]) -> None:
+    # verl's collective_rpc("sleep") / ("wake_up"): one result per rank, as vLLM's workers answer.
+    assert tp2.collective_rpc("sleep", kwargs={"level": 1}) == [None, None]
+    assert tp2.collective_rpc("sleeping_tags") == [{"weights", "kv_cache"}] * 2
+    assert tp2.collective_rpc("wake_up") == [None, None]
     tp2.sleep(level=1)
     assert tp2.collective_rpc("sleeping_tags") == [{"weights", "kv_cache"}] * 2
     tp2.wake_up(tags=["weights"])
     assert tp2.collective_rpc("sleeping_tags") == [{"kv_cache"}] * 2
     tp2.wake_up()
     assert tp2.collective_rpc("sleeping_tags") == [set(), set()]
+    assert _outputs(tp2) == reference["old"]
+
+
+def test_disk_update_refused_by_one_rank_changes_no_rank(tp2: LLM, reference: dict[str, Outputs],
+                                                         new_checkpoint: Path) -> None:
+    """Every rank checks a folder before any rank loads it: rank 1 alone refusing leaves every rank's weights
+    as they were, and the engine serves the old outputs."""
+    name = "model.layers.1.mlp.down_proj.weight"
+    before = tp2.collective_rpc(param_sum, args=(name,))
+    tp2.collective_rpc(refuse_disk_check_on_rank1)
+    try:
+        with pytest.raises(ValueError, match="unreadable on this node"):
+            tp2.llm_engine.engine_core.call_utility("load_weights_from_disk", str(new_checkpoint), "refused")
+    finally:
+        tp2.collective_rpc(restore_disk_check)
+    assert tp2.collective_rpc(param_sum, args=(name,)) == before
+    assert tp2.get_weight_version() != "refused"
     assert _outputs(tp2) == reference["old"]
 
 
@@ -160,6 +222,43 @@ def test_nccl_weight_update_reaches_every_rank(tp2: LLM, reference: dict[str, Ou
         if trainer.is_alive():
             trainer.kill()
     assert trainer.exitcode == 0
+
+
+def test_load_failing_on_one_rank_stops_the_engine(new_checkpoint: Path) -> None:
+    """Rank 1's load fails after rank 0 loaded (every check passed): the ranks' weights differ, so the update's
+    call and every later request fail with EngineDeadError; no output is computed with mixed weights."""
+    llm = LLM(**ENGINE, tensor_parallel_size=2)
+    try:
+        llm.collective_rpc(break_disk_load_on_rank1)
+        with pytest.raises(EngineDeadError, match=r"failed on 1 of 2 tensor-parallel ranks.*disk went away"):
+            llm.llm_engine.engine_core.call_utility("load_weights_from_disk", str(new_checkpoint), "mixed")
+        assert isinstance(_generate_in_thread(llm, 60), EngineDeadError)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_warm_up_failure_on_one_rank_fails_the_start(rank: int) -> None:
+    """A start-up call (here the warm-up) fails on one rank while the other waits in a collective: the engine's
+    start fails with that rank's error within a bound, instead of hanging."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"simulated warm-up failure on rank {rank}"):
+        LLM(**ENGINE, tensor_parallel_size=2, worker_extension_cls=f"rl_worker_ext_startup_fail.FailOnRank{rank}")
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.parametrize("backend", ["mp", "uni"])
+def test_one_rank_with_any_backend(backend: str, reference: dict[str, Outputs]) -> None:
+    """vLLM accepts distributed_executor_backend="mp" (and "ray": test_ray_executor.py) at one rank: the worker
+    runs in the engine core's process."""
+    llm = LLM(**ENGINE, distributed_executor_backend=backend)
+    try:
+        assert type(llm.llm_engine.engine_core.engine_core.model_executor).__name__ == "UniProcExecutor"
+        greedy = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [(list(o.outputs[0].token_ids), None) for o in greedy] == reference["old"][:len(PROMPTS)]
+        assert llm.collective_rpc(worker_rank) == [0]
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_tp4_async_scheduling_outputs_equal_tp1(reference: dict[str, Outputs]) -> None:

@@ -203,6 +203,10 @@ def test_utility_calls_reach_every_engine_and_combine() -> None:
             # Each engine joins the trainer's group after the workers of the lower ranks.
             await client.call_utility_async("init_broadcaster", "h", 1, 5, 9, 1.0)
             assert [await client.call_engine_async(e, "get_broadcaster", (), {}) for e in range(2)] == [5, 5 + TP]
+            # The same by keyword (prime-rl's /init_broadcaster sends its body's fields as keywords).
+            await client.call_utility_async("init_broadcaster", host="h", port=1, rank_offset=7, world_size=9,
+                                            timeout=1.0)
+            assert [await client.call_engine_async(e, "get_broadcaster", (), {}) for e in range(2)] == [7, 7 + TP]
             with pytest.raises(ValueError, match="rank one refuses"):
                 await client.call_utility_async("refuse_on_rank_one")
             with pytest.raises(ValueError, match="Unknown engine-core utility"):
@@ -288,3 +292,27 @@ def test_each_engine_gets_its_rank_and_its_devices() -> None:
     config.device_config.device = "cuda:1"
     with pytest.raises(ValueError, match="its own devices"):
         device_env(config, visible=["0", "1", "2", "3", "4", "5"])
+
+
+@pytest.mark.parametrize("args, kwargs, want_args, want_kwargs", [
+    # init_weight_transfer_engine(init_info): the dict's rank_offset, positional or keyword.
+    (({"rank_offset": 1, "world_size": 5},), {}, ({"rank_offset": 1 + TP, "world_size": 5},), {}),
+    ((), {"init_info": {"rank_offset": 1, "world_size": 5}}, (), {"init_info": {"rank_offset": 1 + TP,
+                                                                              "world_size": 5}}),
+])
+def test_rank_offset_of_init_weight_transfer_engine(args: tuple, kwargs: dict, want_args: tuple,
+                                                    want_kwargs: dict) -> None:
+    client = SimpleNamespace(tensor_parallel_size=TP)
+    assert DPLBAsyncMPClient._engine_args(client, "init_weight_transfer_engine", args, kwargs, 1) == \
+        (want_args, want_kwargs)  # type: ignore[arg-type]
+    # Engine 0 keeps the trainer's offset; the caller's dict is not changed in place.
+    assert DPLBAsyncMPClient._engine_args(client, "init_weight_transfer_engine", args, kwargs, 0) == \
+        (args, kwargs)  # type: ignore[arg-type]
+    assert (args or (kwargs["init_info"],))[0]["rank_offset"] == 1
+
+
+def test_rank_offset_of_init_broadcaster_mixed_arguments() -> None:
+    client = SimpleNamespace(tensor_parallel_size=TP)
+    got = DPLBAsyncMPClient._engine_args(client, "init_broadcaster", ("h", 1), {"rank_offset": 3,  # type: ignore
+                                                                                "inference_world_size": 9}, 1)
+    assert got == (("h", 1), {"rank_offset": 3 + TP, "inference_world_size": 9})

@@ -163,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         """The whole vocabulary's logits on every rank (a collective under tensor parallelism)."""
+        if self.lm_head.tp_size == 1:
+            return self.lm_head(hidden_states)  # NOTE: nothing to gather: LogitsProcessor's module call skipped
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -30,7 +30,8 @@ process and the in-process client call them by name):
   for "wait", the requests finished): the caller keeps stepping until then.
 - Weight updates: `start_weight_update` halts scheduling and drains the batch queue (its steps' outputs go to
   `pending_outputs`), so no step is in flight and none starts while weights are copied; `update_weights` moves
-  weights into the existing parameters (the worker: vllm/v1/worker/weight_update.py); `finish_weight_update`
+  weights into the existing parameters (the worker: vllm/v1/worker/weight_update.py; with several ranks, all of
+  them or none: vllm/v1/engine/weight_sync.py, else the engine stops); `finish_weight_update`
   sets the new `weight_version` and lifts the halt (unless paused in keep mode). Every step's outputs carry the
   weight version that computed them. Finishing an update (also a failed one) invalidates the prefix cache
   (KVCacheManager.invalidate_prefix_cache): no KV computed with the old weights is found again.
@@ -57,6 +58,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStepError,
                              FinishReason)
 from vllm.v1.engine.sleep_mode import SLEEP_UTILITY_METHODS, EngineSleepMixin
+from vllm.v1.engine.weight_sync import WeightsOutOfStepError, run_weight_change
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
@@ -236,9 +238,10 @@ class EngineCore(EngineSleepMixin):
         in rank order.
         A name is a method of the worker or of its worker extension (not one starting with "_"); a callable is
         called with the worker first. timeout is the caller's to enforce (a running call cannot be stopped).
-        "sleep" and "wake_up" are the engine's own (sleep_mode.py)."""
+        "sleep" and "wake_up" are the engine's own (sleep_mode.py), which reach every rank: one result per rank
+        too."""
         if method in ("sleep", "wake_up"):
-            return [self._sleep_rpc(method, args, kwargs or {})]
+            return [self._sleep_rpc(method, args, kwargs or {})] * self.model_executor.world_size
         self._drain()
         return self.model_executor.collective_rpc(method, timeout, args, kwargs or {})
 
@@ -261,7 +264,7 @@ class EngineCore(EngineSleepMixin):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if not self.updating_weights:
             raise ValueError("No weight update is in progress: call start_weight_update first.")
-        self.model_executor.run_workers("update_weights", update_info)
+        run_weight_change(self.model_executor, "update_weights", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self.updating_weights:
@@ -278,8 +281,14 @@ class EngineCore(EngineSleepMixin):
 
     def load_weights_from_disk(self, path: str, weight_version: str | None = None) -> None:
         """A whole update from a folder of safetensors, whatever the backend (prime-rl's /update_weights
-        {"weight_dir"}): start, load (checked whole first), finish."""
-        self._whole_update(lambda: self.model_executor.run_workers("load_weights_from_disk", path), weight_version)
+        {"weight_dir"}): start, check on every rank, load, finish."""
+        def load() -> None:
+            # NOTE: every rank checks before any rank loads, so a checkpoint one rank refuses changes no rank
+            # (weight_sync.py: a load that fails on some ranks only ends the engine).
+            self.model_executor.run_workers("check_weights_from_disk", path)
+            run_weight_change(self.model_executor, "load_weights_from_disk", path)
+
+        self._whole_update(load, weight_version)
 
     def _whole_update(self, load: Callable[[], None], weight_version: str | None) -> None:
         """start_weight_update, `load`, finish_weight_update(weight_version) as one call; a failed load names no
@@ -288,6 +297,8 @@ class EngineCore(EngineSleepMixin):
         self.start_weight_update(True)
         try:
             load()
+        except WeightsOutOfStepError:
+            raise  # NOTE: fatal (weight_sync.py): the halt stays, no step runs with the ranks' weights
         except BaseException:
             self.finish_weight_update(None)
             raise
@@ -300,7 +311,8 @@ class EngineCore(EngineSleepMixin):
 
     def load_weights_from_broadcast(self, weight_version: str | None = None) -> None:
         """A whole update from prime-rl's broadcaster (its /update_weights {"weight_dir": null})."""
-        self._whole_update(lambda: self.model_executor.run_workers("receive_broadcast_weights"), weight_version)
+        self._whole_update(lambda: run_weight_change(self.model_executor, "receive_broadcast_weights"),
+                           weight_version)
 
     def get_weight_version(self) -> str | None:
         return self.weight_version

@@ -401,11 +401,19 @@ def _failed(error: Exception) -> Deferred:
     return Deferred(lambda: True, fail)
 
 
+# NOTE: long enough for a clean stop (the loop's cleanup, the workers' shutdown), short enough that a core stuck
+# in a collective does not hold its devices long after its parent is gone.
+_PARENT_EXIT_GRACE_S = 10.0
+
+
 def _watch_parent(parent_pid: int) -> None:
     """SIGTERM to this process (SystemExit in its main thread, then its cleanup) as soon as the parent process
     dies, whatever the loop is doing (a step, a weight transfer): a daemon thread waits on a pidfd of the parent
     (on Linux; elsewhere it checks the parent pid twice a second). Not PR_SET_PDEATHSIG: that fires when the
-    parent's *thread* that started this process ends, which an engine built in a short-lived thread would hit."""
+    parent's *thread* that started this process ends, which an engine built in a short-lived thread would hit.
+    SIGTERM acts only between the main thread's bytecodes: a main thread stuck in a collective (a tensor-parallel
+    rank that will not answer) never sees it, so the process ends by os._exit(1) after `_PARENT_EXIT_GRACE_S`
+    (its workers watch this process and end with it)."""
     def wait_then_stop() -> None:
         try:
             fd = os.pidfd_open(parent_pid)
@@ -418,6 +426,10 @@ def _watch_parent(parent_pid: int) -> None:
                 time.sleep(0.5)
         logger.warning("The parent process (pid %d) is gone: the engine core stops.", parent_pid)
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(_PARENT_EXIT_GRACE_S)
+        logger.error("The engine core did not stop within %.0f s of its parent's exit: ending it.",
+                     _PARENT_EXIT_GRACE_S)
+        os._exit(1)
 
     threading.Thread(target=wait_then_stop, name="EngineCoreParentWatch", daemon=True).start()
 

@@ -182,7 +182,7 @@ class DPLBAsyncMPClient(AsyncMPClient):
 
     async def call_utility_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The call on every engine core; one combined result (module docstring)."""
-        calls = [self.call_engine_async(e, method, self._engine_args(method, args, e), kwargs)
+        calls = [self.call_engine_async(e, method, *self._engine_args(method, args, kwargs, e))
                  for e in range(self.data_parallel_size)]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for result in results:
@@ -190,14 +190,31 @@ class DPLBAsyncMPClient(AsyncMPClient):
                 raise result
         return _combine(method, results)
 
-    def _engine_args(self, method: str, args: tuple, engine: int) -> tuple:
-        """`args` for `engine`: its workers' ranks in a trainer's NCCL group come after the lower ranks' workers."""
+    def _engine_args(self, method: str, args: tuple, kwargs: dict[str, Any],
+                     engine: int) -> tuple[tuple, dict[str, Any]]:
+        """`args` and `kwargs` for `engine`: its workers' ranks in a trainer's NCCL group come after the lower
+        ranks' workers, whether the rank offset came positionally or by keyword."""
         offset = engine * self.tensor_parallel_size
-        if not offset:
-            return args
-        if method == "init_weight_transfer_engine" and args and isinstance(args[0], dict) \
-                and "rank_offset" in args[0]:
-            return ({**args[0], "rank_offset": int(args[0]["rank_offset"]) + offset}, *args[1:])
-        if method == "init_broadcaster" and len(args) >= 3:
-            return (*args[:2], int(args[2]) + offset, *args[3:])
-        return args
+        where = _RANK_OFFSET_ARGUMENT.get(method)
+        if not offset or where is None:
+            return args, kwargs
+        name, position = where
+        args, kwargs = list(args), dict(kwargs)
+        if name in kwargs:
+            kwargs[name] = _add_rank_offset(method, kwargs[name], offset)
+        elif len(args) > position:
+            args[position] = _add_rank_offset(method, args[position], offset)
+        return tuple(args), kwargs
+
+
+# The parameter that carries a trainer NCCL group's rank offset: (its name, its position) in the engine core's
+# method (core.py); init_weight_transfer_engine's is the init_info dict, whose "rank_offset" key is offset.
+_RANK_OFFSET_ARGUMENT = {"init_weight_transfer_engine": ("init_info", 0), "init_broadcaster": ("rank_offset", 2)}
+
+
+def _add_rank_offset(method: str, value: Any, offset: int) -> Any:
+    if method == "init_weight_transfer_engine":
+        if isinstance(value, dict) and "rank_offset" in value:
+            return {**value, "rank_offset": int(value["rank_offset"]) + offset}
+        return value
+    return int(value) + offset

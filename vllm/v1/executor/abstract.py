@@ -2,7 +2,9 @@
 
 vLLM's names: `Executor.get_class(vllm_config)` picks the backend of `parallel_config.distributed_executor_backend`:
 `UniProcExecutor` ("uni": the one worker in the engine core's process), `MultiprocExecutor` ("mp": rank 0 there,
-ranks 1..N-1 in processes of their own) or `RayDistributedExecutor` ("ray": ranks 1..N-1 as Ray actors).
+ranks 1..N-1 in processes of their own) or `RayDistributedExecutor` ("ray": ranks 1..N-1 as Ray actors). An engine
+of one rank uses UniProcExecutor whatever the backend ("mp" and "ray" are accepted at world_size 1, as in vLLM:
+there is no other rank to place).
 
 Invariants:
 - Rank 0, the driver worker (`driver_worker`), always runs in the engine core's process; its `execute_model`
@@ -44,6 +46,8 @@ class Executor(ABC):
     @staticmethod
     def get_class(vllm_config: VllmConfig) -> type[Executor]:
         backend = vllm_config.parallel_config.distributed_executor_backend
+        if vllm_config.parallel_config.world_size == 1:
+            backend = "uni"  # NOTE: the worker joins no process group at one rank; "mp" and "ray" need one
         if backend == "ray":
             from vllm.v1.executor.ray_distributed_executor import RayDistributedExecutor
             return RayDistributedExecutor
@@ -60,6 +64,14 @@ class Executor(ABC):
     @abstractmethod
     def run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The engine's own call of a worker method on every rank -> one result per rank, in rank order."""
+
+    def run_workers_outcomes(self, method: str, *args: Any, **kwargs: Any) -> list[tuple[bool, Any]]:
+        """run_workers without raising: `(True, result)` or `(False, exception)` per rank, in rank order (the
+        engine's weight updates judge every rank's outcome: vllm/v1/engine/weight_sync.py)."""
+        try:
+            return [(True, value) for value in self.run_workers(method, *args, **kwargs)]
+        except Exception as e:
+            return [(False, e)]
 
     @abstractmethod
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),

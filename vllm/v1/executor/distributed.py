@@ -11,8 +11,14 @@ runs it. Messages, pickled once by the driver:
   core's batch queue does on the driver.
 - `("call", method, args, kwargs, checked)`: every rank finishes its steps in flight, then runs the worker method
   (checked: a user's collective_rpc, through Worker.call); the replies `(ok, value)` come back to the driver by
-  `gather_object`, in rank order; an unpicklable reply is replaced by its text.
+  `gather_object`, in rank order; a reply that does not survive a pickle round trip is replaced by a
+  RuntimeError naming the rank and carrying the original's text.
 - `("shutdown",)`: the loop ends.
+Start-up calls (`START_UP_METHODS`: profiling, KV-cache allocation, warm-up) are different: a rank that fails in
+one may leave the others in a collective that never completes, so its error is not sent back but ends its
+process (the driver, in a collective with it, then fails at once on gloo; on NCCL the executor's monitor ends the
+engine core), and a driver that fails in one fails the executor (`shutdown` then kills the ranks): the engine's
+start fails with the failing rank's error, no rank is left behind.
 
 Invariants:
 - The driver sends a message before it runs its own part, so the ranks work at the same time; every rank sees
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -47,6 +54,11 @@ from vllm.v1.worker.worker import Worker, make_worker
 logger = logging.getLogger(__name__)
 
 _STEP, _CALL, _SHUTDOWN = "step", "call", "shutdown"
+# The engine's start-up calls: their forwards (profiling, warm-up, graph capture) hold collectives, so a rank that
+# fails in one leaves the others waiting in a collective for good; such a failure ends the executor instead.
+START_UP_METHODS = frozenset({"determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up_model"})
+# NOTE: how long the driver waits for a failed rank's exit to be seen, to name its error in the start-up failure.
+_FAILURE_REPORT_WAIT_S = 2.0
 # NOTE: gloo applies a group's timeout to every wait, also a rank's wait for the next step of an idle engine.
 _NO_TIMEOUT = timedelta(days=3650)
 _step_group: GroupCoordinator | None = None
@@ -94,7 +106,9 @@ def _reply(worker: Worker, method: str | Callable[..., Any], args: tuple, kwargs
     except Exception as e:  # NOTE: the caller's error, raised on the driver; this rank goes on
         reply = (False, e)
     try:
-        pickle.dumps(reply)
+        # NOTE: the round trip, not only dumps: an exception whose __init__ takes other arguments than its args
+        # pickles but fails to unpickle on the driver, inside gather_object, which would end the engine.
+        pickle.loads(pickle.dumps(reply))
     except Exception as e:
         ok, value = reply
         reply = (False, RuntimeError(f"rank {worker.rank}: the {'result' if ok else 'error'} of {method!r} cannot "
@@ -126,6 +140,12 @@ def run_worker_loop(worker: Worker) -> None:
         elif kind == _CALL:
             finish_steps()
             _, method, args, kwargs, checked = message
+            if method in START_UP_METHODS and not checked:
+                # NOTE: a failure raises out of the loop and ends this rank's process (the executor's start-up
+                # failure, module docstring); the driver, maybe waiting in a collective with it, fails at once.
+                result = _run_call(worker, method, args, kwargs, checked)
+                dist.gather_object((True, result), None, dst=0, group=group.cpu_group)
+                continue
             dist.gather_object(_reply(worker, method, args, kwargs, checked), None, dst=0, group=group.cpu_group)
         else:
             finish_steps()
@@ -196,24 +216,47 @@ class DistributedExecutorBase(Executor):
 
     def _call_all(self, method: str | Callable[..., Any], args: tuple, kwargs: dict[str, Any],
                   checked: bool) -> list[Any]:
-        self._send((_CALL, method, args, kwargs, checked))
-        try:
-            own: tuple[bool, Any] = (True, _run_call(self.driver_worker, method, args, kwargs, checked))
-        except Exception as e:
-            own = (False, e)
-        replies: list[Any] = [None] * self.world_size
-        try:
-            dist.gather_object(None, replies, dst=0, group=self._group.cpu_group)
-        except Exception as e:
-            raise self._dead(e) from e
-        replies[0] = own
+        replies = self._call_all_outcomes(method, args, kwargs, checked)
         for ok, value in replies:
             if not ok:
                 raise value
         return [value for _, value in replies]
 
+    def _call_all_outcomes(self, method: str | Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+                           checked: bool) -> list[tuple[bool, Any]]:
+        self._send((_CALL, method, args, kwargs, checked))
+        try:
+            own: tuple[bool, Any] = (True, _run_call(self.driver_worker, method, args, kwargs, checked))
+        except Exception as e:
+            if method in START_UP_METHODS and not checked:
+                raise self._start_up_failed(method, e) from e
+            own = (False, e)
+        replies: list[Any] = [None] * self.world_size
+        try:
+            dist.gather_object(None, replies, dst=0, group=self._group.cpu_group)
+        except Exception as e:
+            if method in START_UP_METHODS and not checked:
+                raise self._start_up_failed(method, e) from e
+            raise self._dead(e) from e
+        replies[0] = own
+        return replies
+
+    def _start_up_failed(self, method: str, error: Exception) -> RuntimeError:
+        """The driver's start-up call failed (on its own, or because a rank that failed closed the collective
+        it was in): the executor fails, and `shutdown` then kills the ranks instead of messaging them."""
+        deadline = time.monotonic() + _FAILURE_REPORT_WAIT_S
+        failure = self._worker_failure()
+        while failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            failure = self._worker_failure()
+        self._failure = failure or f"rank 0 failed in {method} ({type(error).__name__}: {error})"
+        return RuntimeError(f"Tensor-parallel start-up failed in {method}: {self._failure}")
+
     def run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self._call_all(method, args, kwargs, False)
+
+    def run_workers_outcomes(self, method: str, *args: Any, **kwargs: Any) -> list[tuple[bool, Any]]:
+        return self._call_all_outcomes(method, args, kwargs, False)
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

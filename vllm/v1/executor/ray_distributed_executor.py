@@ -4,10 +4,11 @@ The engine core joins the Ray cluster named by RAY_ADDRESS (Ray reads it; `ray s
 nodes), or starts a local Ray instance when it is unset. A placement group holds one bundle per rank ({"GPU": 1}
 on CUDA, {"CPU": 1} on CPU), packed; the driver (rank 0) takes one on this node (there must be one), and ranks
 1..N-1 the others, in bundle order, one actor each (on CUDA the driver's bundle holds a small actor that keeps
-its GPU from the others; the driver runs on that GPU's index). An actor builds the worker of its rank (on CUDA,
-on the one GPU Ray gives it: local_rank 0 of its CUDA_VISIBLE_DEVICES), joins the world at tcp://<this node's
-IP>:port, and runs the same step loop as a spawned worker (vllm/v1/executor/distributed.py), so steps and
-collective_rpc travel over torch.distributed here too.
+its GPU from the others; the driver runs on that GPU, found by its id in this process's CUDA_VISIBLE_DEVICES:
+`driver_cuda_index`). An actor builds the worker of its rank (on CUDA, on the one GPU Ray gives it: local_rank 0
+of its CUDA_VISIBLE_DEVICES), joins the world at tcp://<this node's IP>:port, and runs the same step loop as a
+spawned worker (vllm/v1/executor/distributed.py), so steps and collective_rpc travel over torch.distributed here
+too.
 
 Invariants:
 - Each actor's `start` call returns only when its loop ends; a call that finishes (or fails: a dead actor) before
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 _PLACEMENT_TIMEOUT_S = 300.0
 _JOIN_TIMEOUT_S = 10.0
 _DEATH_GRACE_S = 2.0
+_EXIT_AFTER_FAILURE_S = 1.0
 
 
 class RayWorkerWrapper:
@@ -49,17 +51,36 @@ class RayWorkerWrapper:
         worker = make_worker(vllm_config, rank, 0, distributed_init_method)
         try:
             run_worker_loop(worker)
-        finally:
-            destroy_distributed_environment()
+        except BaseException:
+            # NOTE: a start-up call failed (distributed.py): the actor's process must end, as a spawned worker's
+            # does, so that the driver's collectives with it fail at once; the error first travels as this call's
+            # result.
+            threading.Timer(_EXIT_AFTER_FAILURE_S, os._exit, (1,)).start()
+            raise
+        destroy_distributed_environment()
 
 
 class RayGpuHolder:
     """An actor in the driver's bundle on CUDA: it holds that bundle's GPU, so Ray gives it to no other actor, and
     tells its id, which the driver (not an actor: it sees every GPU of the node) then uses."""
 
-    def gpu_id(self) -> int:
+    def gpu_id(self) -> str:
         import ray
-        return int(ray.get_gpu_ids()[0])
+        return str(ray.get_gpu_ids()[0])
+
+
+def driver_cuda_index(ray_gpu_id: str, cuda_visible_devices: str | None) -> int:
+    """torch's device index, in the engine core's process, of the GPU Ray calls `ray_gpu_id`.
+    NOTE: Ray numbers GPUs as the CUDA_VISIBLE_DEVICES it was started with lists them (or the node's numbering
+    without one), torch as this process's CUDA_VISIBLE_DEVICES orders them: the position of the id in that list."""
+    if not cuda_visible_devices:
+        return int(ray_gpu_id)
+    visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+    if ray_gpu_id not in visible:
+        raise RuntimeError(f"Ray gave the driver GPU {ray_gpu_id}, which this process's CUDA_VISIBLE_DEVICES "
+                           f"({cuda_visible_devices!r}) hides; start Ray and the engine with the same "
+                           "CUDA_VISIBLE_DEVICES.")
+    return visible.index(ray_gpu_id)
 
 
 def _import_ray() -> Any:
@@ -111,7 +132,8 @@ class RayDistributedExecutor(DistributedExecutorBase):
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=local[0]),
             ).remote()
             self._actors.append(holder)
-            self.driver_local_rank = ray.get(holder.gpu_id.remote())
+            self.driver_local_rank = driver_cuda_index(ray.get(holder.gpu_id.remote()),
+                                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{get_open_port()}"
         actor_cls = ray.remote(RayWorkerWrapper)
         for rank, bundle_index in enumerate(actor_bundles, start=1):

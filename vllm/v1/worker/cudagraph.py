@@ -66,6 +66,8 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896,
@@ -110,6 +112,13 @@ def resolve_mixed_capture_sizes(sizes: list[int] | None, max_num_batched_tokens:
     return filled
 
 
+def _forward_capture_error_mode() -> str:
+    """"thread_local" with several ranks: NCCL's own threads make CUDA calls while a forward's all_reduce is
+    captured, which the default "global" mode counts as errors of the capture; "global" (torch's default) at one
+    rank."""
+    return "thread_local" if get_tensor_model_parallel_world_size() > 1 else "global"
+
+
 class CudaGraphManager:
     """Model-forward graphs of one kind of step (pure decode: sizes are rows; mixed: sizes are tokens)."""
 
@@ -141,7 +150,7 @@ class CudaGraphManager:
             if release_warmup_memory:
                 torch.cuda.empty_cache()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=_forward_capture_error_mode()):
                 output = forward(size)
             self.graphs[size] = (graph, output)
         torch.cuda.synchronize()
@@ -187,6 +196,11 @@ class SamplerGraphs:
             try:
                 self._capture_all(key, make_fn)
             except RuntimeError:
+                # NOTE: with several ranks every rank must take the same path (the sampled ids and the random
+                # state stay in step only so), and a rank cannot know another's capture failed: the error ends
+                # the step (and the engine) instead of one rank going eager alone.
+                if get_tensor_model_parallel_world_size() > 1:
+                    raise
                 # NOTE: a sampler op that cannot be captured must not take the engine down: from now on the
                 # sampler runs eagerly (the forward graphs are unaffected).
                 logger.exception("Capturing the sampler CUDA graphs failed; the sampler runs eagerly from now on.")

@@ -12,7 +12,9 @@ Invariants:
   Hugging Face's, with q/k/v and gate/up going into their fused parameters; or, with is_checkpoint_format=False,
   the model's own parameter names), with the shape that parameter (or its shard) has at one tensor-parallel rank
   (the whole tensor: each rank's weight_loader keeps its own shard) and a floating-point dtype.
-  A refused update changes no weight; the engine keeps its weights and keeps serving.
+  A refused update changes no weight and raises ValueError; the engine keeps its weights and keeps serving.
+  Any other error may come after some copies (RuntimeError). With several ranks the engine core judges the
+  ranks' outcomes together (vllm/v1/engine/weight_sync.py).
 - Tensors are copied one by one into the parameters' storage (`copy_`, casting to the model's dtype), so their
   addresses, and the CUDA graphs captured over them, stay valid, and memory stays about one tensor. On CUDA the
   update waits for its copies before it returns (an IPC sender may free its tensors then).
@@ -93,6 +95,20 @@ class WeightUpdater:
             self._apply(engine, engine.parse_update_info({"path": path}))
         finally:
             self.is_checkpoint_format = previous
+            engine.shutdown()
+
+    def check_disk(self, path: str) -> None:
+        """load_from_disk's whole-update check alone (ValueError when refused); no weight changes."""
+        engine = self._make_engine("disk")
+        engine.init_transfer_engine({})
+        try:
+            info = engine.parse_update_info({"path": path})
+            previous, self.is_checkpoint_format = self.is_checkpoint_format, True
+            try:
+                self.check(list(info.names), list(info.dtype_names), [tuple(s) for s in info.shapes])
+            finally:
+                self.is_checkpoint_format = previous
+        finally:
             engine.shutdown()
 
     def init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,

@@ -171,6 +171,10 @@ class Worker:
     def finish_weight_update(self) -> None:
         self.weight_updater.finish()
 
+    def check_weights_from_disk(self, path: str) -> None:
+        """Refuse (ValueError) a checkpoint folder this rank cannot load whole; changes nothing."""
+        self.weight_updater.check_disk(path)
+
     def load_weights_from_disk(self, path: str) -> None:
         self._check_weights_awake()
         self.weight_updater.load_from_disk(path)
@@ -192,7 +196,7 @@ class Worker:
 ENGINE_ONLY_METHODS = frozenset({
     "determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up_model", "execute_model",
     "execute_model_async", "call", "init_weight_transfer_engine", "start_weight_update", "update_weights",
-    "finish_weight_update", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
+    "finish_weight_update", "check_weights_from_disk", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
 # What Worker.__init__ sets: an extension attribute of these names would be shadowed.
 _INSTANCE_ATTRIBUTES = frozenset({"vllm_config", "model_config", "parallel_config", "rank", "local_rank", "device",
                                   "model_runner", "weight_updater", "sleeper"})

@@ -1,0 +1,65 @@
+"""The executors' pieces that need no engine: the backend a config gets (one rank: UniProcExecutor whatever the
+backend), a remote rank's reply to the driver (it must survive the pickle round trip the driver's gather does),
+and the CUDA index the Ray driver takes for the GPU Ray gives it (its position in CUDA_VISIBLE_DEVICES)."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.distributed import _reply
+from vllm.v1.executor.ray_distributed_executor import driver_cuda_index
+
+
+def _config(backend: str, world_size: int) -> Any:
+    return SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend,
+                                                           world_size=world_size))
+
+
+@pytest.mark.parametrize("backend, world_size, want", [
+    ("uni", 1, "UniProcExecutor"), ("mp", 1, "UniProcExecutor"), ("ray", 1, "UniProcExecutor"),
+    ("mp", 2, "MultiprocExecutor"), ("ray", 2, "RayDistributedExecutor"),
+])
+def test_executor_class(backend: str, world_size: int, want: str) -> None:
+    assert Executor.get_class(_config(backend, world_size)).__name__ == want
+
+
+class TwoArgError(Exception):
+    """Pickles (as TwoArgError(message)) but does not unpickle: __init__ needs two arguments."""
+
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(f"{a}-{b}")
+
+
+def _raise_two_arg() -> None:
+    raise TwoArgError("left", "right")
+
+
+def test_reply_survives_the_round_trip() -> None:
+    pickle.dumps(TwoArgError("left", "right"))  # the old check passed this
+    with pytest.raises(TypeError):
+        pickle.loads(pickle.dumps(TwoArgError("left", "right")))
+    worker = SimpleNamespace(rank=3, boom=_raise_two_arg, double=lambda x: 2 * x)
+    ok, error = pickle.loads(pickle.dumps(_reply(worker, "boom", (), {}, False)))  # type: ignore[arg-type]
+    assert not ok and isinstance(error, RuntimeError)
+    assert "rank 3" in str(error) and "left-right" in str(error) and "TwoArgError" in str(error)
+    # A reply that travels is left as it is.
+    assert _reply(worker, "double", (3,), {}, False) == (True, 6)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("gpu_id, visible, want", [
+    ("0", None, 0), ("5", None, 5), ("3", "", 3),
+    ("2", "2,3", 0), ("3", "2,3", 1), ("6", "7, 6,5", 1),
+    ("GPU-abc", "GPU-xyz,GPU-abc", 1),
+])
+def test_driver_cuda_index(gpu_id: str, visible: str | None, want: int) -> None:
+    assert driver_cuda_index(gpu_id, visible) == want
+
+
+def test_driver_cuda_index_of_a_hidden_gpu() -> None:
+    with pytest.raises(RuntimeError, match="hides"):
+        driver_cuda_index("1", "2,3")
