@@ -164,3 +164,31 @@ def test_sampling_mask_pickles_with_its_masks() -> None:
     back = pickle.loads(data)
     assert back.token_ids == rows and json.loads(back.json_text()) == rows
     np.testing.assert_array_equal(back.offsets, [0, 2, 3])
+
+
+@pytest.mark.parametrize("form", ["arrays", "texts", "both", "lists", "flat", "empty"])
+def test_sampling_mask_pickles_flat(form: str) -> None:
+    """Pickled, a mask is a few flat buffers whatever its token count (protocol 5, as Ray pickles: not a buffer per
+    token), and comes back with the same masks, ids, offsets and JSON text (json.dumps of the lists: the
+    reference)."""
+    import pickle
+
+    rng = np.random.default_rng(0)
+    rows = [] if form == "empty" else [sorted(rng.choice(1000, size=int(rng.integers(1, 9)), replace=False).tolist())
+                                       for _ in range(256)]
+    arrays = [np.array(r, dtype=np.int32) for r in rows]
+    texts = [json.dumps(r, separators=(",", ":")).encode() for r in rows]
+    mask = {"arrays": lambda: SamplingMask(arrays=arrays), "texts": lambda: SamplingMask(texts=texts),
+            "both": lambda: SamplingMask(arrays=arrays, texts=texts), "lists": lambda: SamplingMask(rows),
+            "flat": lambda: SamplingMask.from_flat(np.concatenate(arrays) if rows else np.zeros(0, np.int32),
+                                                   np.cumsum([0] + [len(r) for r in rows])),
+            "empty": lambda: SamplingMask(arrays=[])}[form]()
+    buffers: list = []
+    data = pickle.dumps(mask, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) <= 2
+    back = pickle.loads(data, buffers=buffers)
+    assert back.token_ids == rows and len(back) == len(rows)
+    np.testing.assert_array_equal(back.offsets, np.cumsum([0] + [len(r) for r in rows]))
+    np.testing.assert_array_equal(back.ids, np.array([i for r in rows for i in r], dtype=np.int32))
+    if form in ("texts", "both"):
+        assert back.json_text() == json.dumps(rows, separators=(",", ":")).encode()

@@ -241,6 +241,15 @@ class SamplingMask:
         mask._ids = ids
         return mask
 
+    def __reduce__(self) -> tuple[Any, tuple]:
+        """Pickled flat (Ray actors return rollouts pickled): the ids with their ends and/or the JSON text, a few
+        buffers whatever the token count, not one per token (nor the request's whole shared text blocks)."""
+        text = None if self._text is None else bytes(self.json_text())  # type: ignore[arg-type]
+        ids = ends = None
+        if self._has_ids() or text is None:
+            ids, ends = self.ids, self.offsets[1:]
+        return _unpickle_mask, (self._num, ids, ends, text)
+
     def __len__(self) -> int:
         return self._num
 
@@ -249,6 +258,19 @@ class SamplingMask:
 
     def __repr__(self) -> str:
         return f"SamplingMask(token_ids={self.token_ids!r})"
+
+
+def _unpickle_mask(num: int, ids: np.ndarray | None, ends: np.ndarray | None, text: bytes | None) -> SamplingMask:
+    """SamplingMask.__reduce__'s other half: the mask of `num` tokens from its flat ids and ends and/or its text."""
+    snapshot = None
+    if text is not None:
+        blocks = MaskTextBlocks()
+        if num:
+            blocks.append(memoryview(text)[1:-1])  # its rows, "," between them: one append of them all
+        snapshot = blocks.snapshot()[:3] + (num,)
+    mask = SamplingMask._handed_over(num, None, ends, snapshot, True)
+    mask._ids = ids
+    return mask
 
 
 def ids_from_json_text(text: np.ndarray | bytes) -> np.ndarray:

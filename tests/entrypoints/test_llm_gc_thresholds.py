@@ -52,3 +52,17 @@ def test_serving_thresholds_block() -> None:
     with serving_thresholds():
         assert gc.get_threshold() == SERVING_GC_THRESHOLDS
     assert gc.get_threshold() == old
+
+
+@pytest.mark.parametrize("caller", [(0, 10, 10), (50_000, 5, 30)])
+def test_serving_thresholds_keep_what_the_caller_set(caller: tuple[int, int, int]) -> None:
+    """A collector the caller turned off stays off; a caller's higher threshold is not lowered."""
+    old = gc.get_threshold()
+    try:
+        gc.set_threshold(*caller)
+        with serving_thresholds():
+            got = gc.get_threshold()
+        assert got == caller if caller[0] == 0 else got == (50_000, 10, 30)
+        assert gc.get_threshold() == caller
+    finally:
+        gc.set_threshold(*old)

@@ -40,15 +40,18 @@ def freeze_startup_heap() -> None:
 
 @contextlib.contextmanager
 def serving_thresholds() -> Iterator[None]:
-    """SERVING_GC_THRESHOLDS while the block runs, the caller's thresholds again after (nothing frozen): for an
-    engine stepped in someone else's process (LLM.generate), whose heap is theirs.
+    """SERVING_GC_THRESHOLDS while the block runs (each at least the caller's; nothing when the caller turned
+    automatic collection off), the caller's thresholds again after (nothing frozen): for an engine stepped in
+    someone else's process (LLM.generate), whose heap is theirs.
 
     NOTE: offline `LLM.generate` of 1024 requests on the development machine (tools/profiling/offline_host.py,
     no device): 15.2 -> 8.1 ms of host work per step without masks, 22.0 -> 10.0 with them, on Python's default
     thresholds -> these; 1118 young and 7 full collections -> 64 and none (each full one walked every request's
     logprob dicts, ~0.2 s)."""
     before = gc.get_threshold()
-    gc.set_threshold(*SERVING_GC_THRESHOLDS)
+    # NOTE: never lower what the caller set, nor turn on a collector they turned off (threshold 0).
+    if before[0] != 0:
+        gc.set_threshold(*(max(b, s) for b, s in zip(before, SERVING_GC_THRESHOLDS)))
     try:
         yield
     finally:
