@@ -192,3 +192,35 @@ def test_sampling_mask_pickles_flat(form: str) -> None:
     np.testing.assert_array_equal(back.ids, np.array([i for r in rows for i in r], dtype=np.int32))
     if form in ("texts", "both"):
         assert back.json_text() == json.dumps(rows, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("form", ["texts", "arrays", "both"])
+def test_many_deltas_merged_one_at_a_time(form: str) -> None:
+    """A consumer that falls behind: 300 one-token deltas merged into one, one at a time (merge_delta_outputs'
+    order). The result's masks are the rows in order (json.dumps: the reference), it was read between merges (a read
+    closes an owned text in place: the merge reopens it), and the first text block is the same object all along
+    (appended to, not copied: the merge is linear in the delta)."""
+    rng = np.random.default_rng(1)
+    rows = [sorted(rng.choice(5000, size=int(rng.integers(0, 40)), replace=False).tolist()) for _ in range(300)]
+
+    def delta(r: list[int]) -> SamplingMask:
+        text = [json.dumps(r, separators=(",", ":")).encode()]
+        array = [np.array(r, dtype=np.int32)]
+        return {"texts": lambda: SamplingMask(texts=text), "arrays": lambda: SamplingMask(arrays=array),
+                "both": lambda: SamplingMask(arrays=array, texts=text)}[form]()
+
+    merged = delta(rows[0])
+    first_block = merged._text[0][0] if merged._text is not None else None
+    for k, r in enumerate(rows[1:], start=2):
+        previous = merged
+        merged = merged.concat(delta(r))
+        if k % 50 == 0:
+            want = json.dumps(rows[:k], separators=(",", ":")).encode()
+            if form != "arrays":
+                assert merged.json_text() == want
+                assert previous.json_text() == json.dumps(rows[:k - 1], separators=(",", ":")).encode()
+            np.testing.assert_array_equal(merged.offsets, np.cumsum([0] + [len(x) for x in rows[:k]]))
+    assert merged.token_ids == rows and len(merged) == 300
+    if form != "arrays":
+        assert merged._text[0][0] is first_block
+        assert merged.json_text() == json.dumps(rows, separators=(",", ":")).encode()

@@ -221,25 +221,47 @@ class SamplingMask:
 
     def concat(self, other: SamplingMask) -> SamplingMask:
         """The masks of this output's tokens followed by `other`'s (for merging streamed deltas): the texts when
-        both have them, the ids (parsed from a text if need be) when both have them or only one side has texts."""
+        both have them, the ids (parsed from a text if need be) when both have them or only one side has texts.
+
+        Linear in `other` (a consumer that falls behind merges many deltas into one): an owned text's blocks are
+        taken over and appended to (this mask then reads them as a shared snapshot: a copy, never a close in
+        place), and the ids are kept as the two sides' per-token rows, not concatenated."""
         sides = (self, other)
         if any(not s._has_ids() and s._text is None for s in sides):  # a side built from lists
             return SamplingMask(self.token_ids + other.token_ids)
         text = None
         if self._text is not None and other._text is not None:
-            blocks = MaskTextBlocks()
-            for side in sides:
-                if side._num:
-                    whole = side.json_text()
-                    blocks.append(memoryview(whole)[1:-1])  # its rows, "," between them: one append of them all
-            text = blocks.snapshot()[:3] + (self._num + other._num,)
-        ids = ends = None
+            text = self._text_followed_by(other)
+        rows = ends = None
         if all(s._has_ids() for s in sides) or text is None:
-            ids = np.concatenate((self.ids, other.ids))
-            ends = np.concatenate((self.offsets[1:], other.offsets[1:] + len(self.ids)))
-        mask = SamplingMask._handed_over(self._num + other._num, None, ends, text, True)
-        mask._ids = ids
-        return mask
+            rows = self._rows() + other._rows()
+            ends = np.concatenate((self.offsets[1:], other.offsets[1:] + int(self.offsets[-1])))
+        return SamplingMask._handed_over(self._num + other._num, rows, ends, text, True)
+
+    def _rows(self) -> list[np.ndarray]:
+        """One int32 array per token (views: no copy)."""
+        if self._id_rows is not None:
+            return self._id_rows[:self._num]
+        ids, offsets = self.ids, self.offsets
+        return [ids[offsets[t]:offsets[t + 1]] for t in range(self._num)]
+
+    def _text_followed_by(self, other: SamplingMask) -> tuple:
+        """A MaskTextBlocks snapshot of this mask's text followed by other's: this one's blocks continued when it
+        owns them (it stops owning them), else a copy."""
+        blocks = MaskTextBlocks()
+        if self._owned and self._num:
+            old, num_blocks, last, num = self._text  # type: ignore[misc]
+            blocks.blocks, blocks.pos, blocks.num = old[:num_blocks], last, num
+            old[num_blocks - 1][last - 1] = _COMMA  # NOTE: reopened if a read closed it; readers of self copy now
+            self._owned = False
+        elif self._num:
+            blocks.append(memoryview(self.json_text())[1:-1])  # type: ignore[index]
+            blocks.num = self._num
+        if other._num:
+            num = blocks.num
+            blocks.append(memoryview(other.json_text())[1:-1])  # type: ignore[index]  # its rows, "," between
+            blocks.num = num + other._num
+        return blocks.snapshot()
 
     def __reduce__(self) -> tuple[Any, tuple]:
         """Pickled flat (Ray actors return rollouts pickled): the ids with their ends and/or the JSON text, a few
