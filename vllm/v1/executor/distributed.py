@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
 import time
@@ -59,6 +60,8 @@ _STEP, _CALL, _SHUTDOWN = "step", "call", "shutdown"
 START_UP_METHODS = frozenset({"determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up_model"})
 # NOTE: how long the driver waits for a failed rank's exit to be seen, to name its error in the start-up failure.
 _FAILURE_REPORT_WAIT_S = 2.0
+# How long a backend's monitor lets the engine core report a dead worker itself before ending the process.
+_DEATH_GRACE_S = 2.0
 # NOTE: gloo applies a group's timeout to every wait, also a rank's wait for the next step of an idle engine.
 _NO_TIMEOUT = timedelta(days=3650)
 _step_group: GroupCoordinator | None = None
@@ -179,6 +182,20 @@ class DistributedExecutorBase(Executor):
     def _worker_failure(self) -> str | None:
         """A description of the first dead worker (its rank, process, error), or None when all are alive."""
         raise NotImplementedError
+
+    def _worker_lost(self, fallback: str) -> None:
+        """A backend's monitor saw a worker go (fallback: what to say when the worker left no report): the failure
+        is recorded for the next call, and an engine-core process ends after _DEATH_GRACE_S unless it shut down
+        (a rank stuck in a collective with the dead one would otherwise never return)."""
+        if self._is_shutdown:
+            return
+        self._failure = self._worker_failure() or fallback
+        logger.error("A tensor-parallel worker died: %s", self._failure)
+        if multiprocessing.current_process().name.startswith("EngineCore"):
+            time.sleep(_DEATH_GRACE_S)
+            if not self._is_shutdown:
+                logger.error("Ending the engine core: its tensor-parallel group lost a rank.")
+                os._exit(1)
 
     def _stop_workers(self, graceful: bool) -> None:
         """Reap every worker: after the shutdown message (graceful), or at once (a rank failed: the others wait

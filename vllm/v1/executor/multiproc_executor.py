@@ -34,8 +34,6 @@ from vllm.v1.executor.distributed import DistributedExecutorBase, run_worker_loo
 
 logger = logging.getLogger(__name__)
 
-# NOTE: how long the monitor lets the engine core report a dead worker itself before ending the process.
-_DEATH_GRACE_S = 2.0
 _JOIN_TIMEOUT_S = 10.0
 
 
@@ -79,15 +77,7 @@ class MultiprocExecutor(DistributedExecutorBase):
     def _monitor_workers(self) -> None:
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.workers, start=1)}
         ready = wait(list(sentinels))
-        if self._is_shutdown:
-            return
-        self._failure = self._worker_failure() or f"worker rank {sentinels[ready[0]]} died"  # type: ignore[index]
-        logger.error("A tensor-parallel worker died: %s", self._failure)
-        if multiprocessing.current_process().name.startswith("EngineCore"):
-            time.sleep(_DEATH_GRACE_S)
-            if not self._is_shutdown:
-                logger.error("Ending the engine core: its tensor-parallel group lost a rank.")
-                os._exit(1)
+        self._worker_lost(f"worker rank {sentinels[ready[0]]} died")  # type: ignore[index]
 
     def _stop_workers(self, graceful: bool) -> None:
         deadline = time.monotonic() + (_JOIN_TIMEOUT_S if graceful else 0.0)

@@ -21,10 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import threading
-import time
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -35,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 _PLACEMENT_TIMEOUT_S = 300.0
 _JOIN_TIMEOUT_S = 10.0
-_DEATH_GRACE_S = 2.0
 _EXIT_AFTER_FAILURE_S = 1.0
 
 
@@ -169,15 +166,7 @@ class RayDistributedExecutor(DistributedExecutorBase):
             ray.wait(self._refs, num_returns=1)
         except Exception:  # NOTE: Ray itself going away (shutdown) ends the wait too
             pass
-        if self._is_shutdown:
-            return
-        self._failure = self._worker_failure() or "a Ray worker is gone"
-        logger.error("A tensor-parallel worker died: %s", self._failure)
-        if multiprocessing.current_process().name.startswith("EngineCore"):
-            time.sleep(_DEATH_GRACE_S)
-            if not self._is_shutdown:
-                logger.error("Ending the engine core: its tensor-parallel group lost a rank.")
-                os._exit(1)
+        self._worker_lost("a Ray worker is gone")
 
     def _stop_workers(self, graceful: bool) -> None:
         ray = _import_ray()
