@@ -292,8 +292,11 @@ class OutputProcessor:
                     spans.append([weight_version, num_before, num_before + num_kept])
             kept_token_ids = new_token_ids if num_kept == len(new_token_ids) else new_token_ids[:num_kept]
             state.logprobs_processor.update(eco.new_logprobs, num_kept)
-            state.masks.append(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids), num_kept,
-                               num_before)
+            masks = state.masks
+            if masks.started or eco.new_sampling_mask is not None or eco.new_sampling_mask_text is not None:
+                # NOTE: a request without masks skips the call (every request, every step)
+                masks.append(eco.new_sampling_mask, eco.new_sampling_mask_text, len(new_token_ids), num_kept,
+                             num_before)
             state.update_stats(num_kept)
 
             if state.parent is not None:
