@@ -152,3 +152,20 @@ def server() -> Iterator[RemoteServer]:
                         "--max-num-seqs", "16", "--api-key", API_KEY, "--seed", "0"])
     yield srv
     stop_server(srv)
+
+
+def spawn_children(srv: RemoteServer) -> list[int]:
+    """The launcher's multiprocessing children, oldest first: the engine cores, then the API servers."""
+    pids: list[int] = []
+    for task in os.listdir(f"/proc/{srv.proc.pid}/task"):
+        with open(f"/proc/{srv.proc.pid}/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(pid)
+        except OSError:
+            pass
+    return sorted(found)

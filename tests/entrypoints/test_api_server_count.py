@@ -20,27 +20,10 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.entrypoints.conftest import RemoteServer, start_server, stop_server
+from tests.entrypoints.conftest import RemoteServer, spawn_children, start_server, stop_server
 
 BODY = {"max_tokens": 6, "temperature": 1.0, "top_k": 8, "top_p": 0.9, "ignore_eos": True, "logprobs": 1,
         "return_token_ids": True}
-
-
-def spawn_children(srv: RemoteServer) -> list[int]:
-    """The launcher's multiprocessing children, oldest first: the engine core, then the API servers."""
-    pids: list[int] = []
-    for task in os.listdir(f"/proc/{srv.proc.pid}/task"):
-        with open(f"/proc/{srv.proc.pid}/task/{task}/children") as f:
-            pids += [int(p) for p in f.read().split()]
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    found.append(pid)
-        except OSError:
-            pass
-    return sorted(found)
 
 
 @pytest.fixture(scope="module")

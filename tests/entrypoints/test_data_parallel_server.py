@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.entrypoints.conftest import MODEL, REPO_ROOT, RemoteServer, start_server, stop_server
+from tests.entrypoints.conftest import MODEL, REPO_ROOT, RemoteServer, spawn_children, start_server, stop_server
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "v1", "e2e"))
 from rl_checkpoints import perturbed_weights, write_checkpoint  # noqa: E402
@@ -40,23 +40,6 @@ HEADER = "X-data-parallel-rank"
 
 def _prompt(i: int) -> list[int]:
     return [5, 17, 42, 9, 300 + i, 12]
-
-
-def _engine_pids(srv: RemoteServer) -> list[int]:
-    """The server's multiprocessing children (the engine cores), oldest first."""
-    pids: list[int] = []
-    for task in os.listdir(f"/proc/{srv.proc.pid}/task"):
-        with open(f"/proc/{srv.proc.pid}/task/{task}/children") as f:
-            pids += [int(p) for p in f.read().split()]
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    found.append(pid)
-        except OSError:
-            pass
-    return sorted(found)
 
 
 def engine_metric(text: str, name: str, engine: int) -> float:
@@ -147,7 +130,7 @@ def _stream_all(url: str, indices: list[int]) -> list[tuple[list[int], list[list
 
 
 def test_two_engine_cores_each_with_its_rank(server: RemoteServer) -> None:
-    assert len(_engine_pids(server)) == 2
+    assert len(spawn_children(server)) == 2
     with httpx.Client(base_url=server.url, timeout=120) as http:
         # One result per engine, in rank order: each engine's worker reports the rank its own config carries.
         resp = http.post("/collective_rpc", json={"method": "probe_parallel"})
@@ -249,7 +232,7 @@ def test_a_dead_rank_stops_the_server_without_hanging(server: RemoteServer) -> N
         while engine_metric(http.get("/metrics").text, "vllm:num_requests_running", 1) == 0:
             assert time.monotonic() < deadline, "the stream never started on engine 1"
             time.sleep(0.05)
-    os.kill(_engine_pids(server)[1], signal.SIGKILL)
+    os.kill(spawn_children(server)[1], signal.SIGKILL)
     thread.join(60)
     assert not thread.is_alive(), "the stream hung after its engine died"
     lines = outcome.get("lines", [])
@@ -268,7 +251,7 @@ def group() -> Iterator[RemoteServer]:
 def test_two_api_servers_each_reach_both_engines(group: RemoteServer, reference: dict[str, dict[str, Any]]) -> None:
     """--api-server-count 2 with --data-parallel-size 2: two engine cores and two API servers, and whichever API
     server a connection lands on (one connection per request, spread by the kernel) reaches either engine."""
-    assert len(_engine_pids(group)) == 4
+    assert len(spawn_children(group)) == 4
 
     async def run() -> list[tuple[list[int], list[list[int]]]]:
         async def one(i: int) -> tuple[list[int], list[list[int]]]:
