@@ -123,6 +123,19 @@ def restore_disk_check(worker: Any) -> None:
     worker.weight_updater.__dict__.pop("check_disk", None)
 
 
+def refuse_update_check_on_rank1(worker: Any) -> int:
+    """Rank 1 alone refuses every update_weights at its check (its model differs, as a rank's could)."""
+    if worker.rank == 1:
+        def refuse(names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]]) -> None:
+            raise ValueError("Weight update refused, no weight was changed: (test: rank 1 refuses)")
+        worker.weight_updater.check = refuse
+    return worker.rank
+
+
+def restore_update_check(worker: Any) -> None:
+    worker.weight_updater.__dict__.pop("check", None)
+
+
 def break_disk_load_on_rank1(worker: Any) -> int:
     """Rank 1 alone fails its disk load after every rank's check passed (rank 0 loads)."""
     if worker.rank == 1:

@@ -1,26 +1,36 @@
 """weight_sync.run_weight_change judges the ranks' outcomes of a weight change together (hand-worked cases): all
 succeeded -> nothing raised; all refused (ValueError: no rank changed) -> the lowest rank's refusal, the engine
 serves on; any other mix with several ranks -> WeightsOutOfStepError (fatal, an EngineStepError); one rank -> its
-own error as it is."""
+own error as it is. update_weights_all_or_none agrees before any rank receives (hand-worked call sequences): every
+rank accepts -> check, then update; any rank refuses -> no rank's update_weights runs, every rank drops the
+trainer's bytes when every rank can receive them, and the refusal (VLLMValidationError) says which ranks refused
+and what became of the trainer's bytes."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import EngineStepError
-from vllm.v1.engine.weight_sync import WeightsOutOfStepError, run_weight_change
+from vllm.v1.engine.weight_sync import WeightsOutOfStepError, run_weight_change, update_weights_all_or_none
 
 
 class FakeExecutor:
-    def __init__(self, outcomes: list[tuple[bool, Any]]) -> None:
+    """Answers every call with `outcomes`, or, per method, with `by_method[method]`."""
+
+    def __init__(self, outcomes: list[tuple[bool, Any]], by_method: dict[str, list[tuple[bool, Any]]] | None = None,
+                 backend: str = "nccl") -> None:
         self.outcomes = outcomes
+        self.by_method = by_method or {}
         self.calls: list[tuple[str, tuple]] = []
+        self.vllm_config = SimpleNamespace(weight_transfer_config=SimpleNamespace(backend=backend))
 
     def run_workers_outcomes(self, method: str, *args: Any) -> list[tuple[bool, Any]]:
         self.calls.append((method, args))
-        return self.outcomes
+        return self.by_method.get(method, self.outcomes)
 
 
 def _run(outcomes: list[tuple[bool, Any]]) -> None:
@@ -59,3 +69,70 @@ def test_one_rank_raises_its_own_error(error: Exception) -> None:
     with pytest.raises(type(error)) as info:
         _run([(False, error)])
     assert info.value is error
+
+
+INFO = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]}
+
+
+def _update(checks: list[tuple[bool, Any]], backend: str = "nccl",
+            discards: list[tuple[bool, Any]] | None = None) -> tuple[FakeExecutor, BaseException | None]:
+    executor = FakeExecutor([(True, None)] * len(checks), {"check_weight_update": checks,
+                                                           **({"discard_weight_update": discards} if discards else {})},
+                            backend)
+    try:
+        update_weights_all_or_none(executor, INFO)  # type: ignore[arg-type]
+    except BaseException as e:  # noqa: BLE001
+        return executor, e
+    return executor, None
+
+
+def _methods(executor: FakeExecutor) -> list[str]:
+    assert all(args == (INFO,) for _, args in executor.calls)
+    return [method for method, _ in executor.calls]
+
+
+def test_every_rank_accepts_then_every_rank_receives() -> None:
+    executor, error = _update([(True, (None, True)), (True, (None, True))])
+    assert error is None and _methods(executor) == ["check_weight_update", "update_weights"]
+
+
+def test_one_rank_refusing_keeps_every_rank_out_of_the_update_and_drops_the_bytes() -> None:
+    """The case that hung: rank 0 would have entered the trainer's broadcast while rank 1 refused."""
+    executor, error = _update([(True, (None, True)), (True, ("rank 1 has no such weight", True))])
+    assert _methods(executor) == ["check_weight_update", "discard_weight_update"]
+    assert isinstance(error, VLLMValidationError) and not isinstance(error, EngineStepError)
+    text = str(error)
+    assert "refused by 1 of 2 tensor-parallel ranks" in text and "rank 1: rank 1 has no such weight" in text
+    assert "received this update from the trainer's group and dropped it" in text
+
+
+def test_every_rank_refusing_alike_gives_that_refusal() -> None:
+    executor, error = _update([(True, ("no such weight", True))] * 2)
+    assert _methods(executor) == ["check_weight_update", "discard_weight_update"]
+    assert str(error).startswith("no such weight Every worker received")
+
+
+@pytest.mark.parametrize("checks", [
+    [(True, (None, True)), (True, ("update_info.dtype_names[0]: unknown dtype name", False))],  # layout unknown
+    [(True, (None, True)), (False, RuntimeError("rank 1 broke while checking"))],              # no verdict
+])
+def test_a_rank_that_cannot_receive_means_no_rank_receives(checks: list[tuple[bool, Any]]) -> None:
+    """Draining on some ranks only would leave them waiting in the broadcast: nothing is received anywhere."""
+    executor, error = _update(checks)
+    assert _methods(executor) == ["check_weight_update"]
+    assert isinstance(error, VLLMValidationError) and "Nothing of this update was received" in str(error)
+    assert "trainer_init on a new port" in str(error)
+
+
+def test_a_failed_drop_is_still_a_refusal_naming_the_failure() -> None:
+    executor, error = _update([(True, ("no such weight", True))] * 2,
+                              discards=[(True, None), (False, RuntimeError("connection reset"))])
+    assert _methods(executor) == ["check_weight_update", "discard_weight_update"]
+    assert isinstance(error, VLLMValidationError)
+    assert "receiving it to drop it failed: rank 1: RuntimeError: connection reset" in str(error)
+
+
+def test_ipc_and_disk_refusals_say_nothing_of_a_broadcast() -> None:
+    executor, error = _update([(True, ("no such weight", False))], backend="ipc")
+    assert _methods(executor) == ["check_weight_update"]
+    assert str(error) == "no such weight (parameter=update_info)"

@@ -17,14 +17,27 @@ Invariants:
   for a good update: a halted engine holds its requests with no end, and a later update may not cover every
   weight the failed one touched.
 - One rank: its error is raised as it is (a partial update there is the worker's documented behaviour).
+
+An update received from a trainer's group (`update_weights` over nccl) is a collective with the trainer and every
+worker: a rank that refuses while the others enter it leaves them, and the trainer, waiting in the broadcast. So
+`update_weights_all_or_none` agrees first: every rank checks the whole update's metadata (names, shapes, dtypes,
+its weights awake, its group joined) without moving a byte, and only when every rank accepts does any rank
+receive. A refused update is then received and dropped by every rank (`discard_weight_update`) when every rank
+can (its layout parses and every rank joined the group), so the trainer's send completes and the group stays in
+step; the call raises the refusal (VLLMValidationError, HTTP 400) with what happened to the trainer's bytes. The
+data-parallel client (dp_client.py) makes the engines agree the same way through the engine core's
+`check_weight_update` / `discard_weight_update`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import EngineStepError
-from vllm.v1.executor.abstract import Executor
+
+if TYPE_CHECKING:  # NOTE: the frontend's DP client imports this module; it loads no worker code
+    from vllm.v1.executor.abstract import Executor
 
 
 class WeightsOutOfStepError(EngineStepError):
@@ -45,3 +58,79 @@ def run_weight_change(executor: Executor, method: str, *args: Any) -> None:
         f"The weight update ({method}) failed on {len(errors)} of {len(outcomes)} tensor-parallel ranks after "
         f"others may have changed their weights ({failed}). The ranks' weights may now differ, so the engine "
         "stops instead of serving them: restart it.")
+
+
+def check_weight_update(executor: Executor, update_info: Any) -> tuple[str | None, bool]:
+    """Every rank's checks of `update_weights(update_info)`, nothing moved: (the refusal's text, None when every
+    rank would take the update; whether every rank can receive the update's bytes and drop them)."""
+    outcomes = executor.run_workers_outcomes("check_weight_update", update_info)
+    problems: list[tuple[int, str]] = []
+    receivable = True
+    for rank, (ok, value) in enumerate(outcomes):
+        if not ok:
+            problems.append((rank, f"{type(value).__name__}: {value}"))
+            receivable = False
+            continue
+        problem, rank_receivable = value
+        receivable = receivable and bool(rank_receivable)
+        if problem is not None:
+            problems.append((rank, problem))
+    if not problems:
+        return None, receivable
+    return refusal_text(problems, len(outcomes), "tensor-parallel rank"), receivable
+
+
+def refusal_text(problems: list[tuple[int, str]], num_parts: int, part: str) -> str:
+    """One text for the refusals of some of `num_parts` parts (`part`: "tensor-parallel rank", "data-parallel
+    engine"): the refusal itself when there is one part or all refused alike, else each refusing part's."""
+    if num_parts == 1 or (len(problems) == num_parts and len({text for _, text in problems}) == 1):
+        return problems[0][1]
+    each = "; ".join(f"{part.split()[-1]} {i}: {text}" for i, text in problems)
+    return f"Weight update refused by {len(problems)} of {num_parts} {part}s, so none took it ({each})."
+
+
+def discard_weight_update(executor: Executor, update_info: Any) -> None:
+    """Every rank receives the refused update from the trainer's group and drops it; RuntimeError naming the
+    ranks where that failed (no weight changed anywhere)."""
+    outcomes = executor.run_workers_outcomes("discard_weight_update", update_info)
+    errors = [f"rank {rank}: {type(e).__name__}: {e}" for rank, (ok, e) in enumerate(outcomes) if not ok]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+def refused(problem: str, backend: str, drained: bool | BaseException) -> VLLMValidationError:
+    """The error of a refused update, saying what became of the trainer's bytes (`drained`: True when every
+    worker received and dropped them; an exception when that failed; False when nothing was received)."""
+    if drained is True:
+        note = ("Every worker received this update from the trainer's group and dropped it, so the trainer's send "
+                "completes and the group stays in step: correct the update and send it again.")
+    elif backend == "nccl":
+        why = f" (receiving it to drop it failed: {drained})" if isinstance(drained, BaseException) else ""
+        note = (f"Nothing of this update was received{why}: a trainer sending it waits in its broadcast until the "
+                "group's timeout; then initialise the weight transfer again (init_weight_transfer_engine, and "
+                "trainer_init on a new port) before the next update.")
+    else:
+        note = ""
+    return VLLMValidationError(f"{problem} {note}".strip(), parameter="update_info")
+
+
+def transfer_backend(executor: Executor) -> str:
+    config = executor.vllm_config.weight_transfer_config
+    return config.backend if config is not None else "nccl"
+
+
+def update_weights_all_or_none(executor: Executor, update_info: Any) -> None:
+    """`update_weights(update_info)` on every rank once every rank accepted it; else no rank receives it into
+    its weights and the refusal is raised (the trainer's bytes dropped where every rank can receive them)."""
+    problem, receivable = check_weight_update(executor, update_info)
+    if problem is None:
+        run_weight_change(executor, "update_weights", update_info)
+        return
+    drained: bool | BaseException = False
+    if receivable:
+        try:
+            discard_weight_update(executor, update_info)
+            drained = True
+        except RuntimeError as e:
+            drained = e
+    raise refused(problem, transfer_backend(executor), drained)

@@ -71,7 +71,8 @@ class WeightUpdater:
             raise ValueError(f"is_checkpoint_format must be a boolean, got {is_checkpoint_format!r}.")
         self.is_checkpoint_format = is_checkpoint_format
 
-    def update(self, update_info: dict[str, Any]) -> None:
+    def _update_engine(self, update_info: Any) -> Any:
+        """The transfer engine an `update(update_info)` goes through (ValueError when there is none)."""
         if not isinstance(update_info, dict):
             raise ValueError(f"update_info must be an object, got {type(update_info).__name__}.")
         engine = self.transfer_engine
@@ -84,7 +85,46 @@ class WeightUpdater:
             # NOTE: ipc and disk need no set-up (their init_info is {}).
             engine = self.transfer_engine = self._make_engine()
             engine.init_transfer_engine({})
+        return engine
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        engine = self._update_engine(update_info)
         self._apply(engine, engine.parse_update_info(update_info))
+
+    def check_update(self, update_info: dict[str, Any]) -> tuple[str | None, bool]:
+        """`update`'s whole check alone; moves no byte and changes no weight. Returns (the refusal's text, or
+        None when this rank would take the update; whether this rank can receive the update's bytes from the
+        trainer's group and drop them, `discard`: a joined nccl group and an update_info whose layout parses)."""
+        try:
+            engine = self._update_engine(update_info)
+            info = engine.parse_update_info(update_info)
+        except ValueError as e:
+            return f"Weight update refused, no weight was changed: {e}", False
+        receivable = getattr(engine, "model_update_group", None) is not None
+        try:
+            self.check(list(info.names), list(info.dtype_names), [tuple(s) for s in info.shapes])
+        except ValueError as e:
+            return str(e), receivable
+        return None, receivable
+
+    def discard(self, update_info: dict[str, Any]) -> None:
+        """Receive a refused update's bytes from the trainer's group and drop them, so that the trainer's send
+        completes and the group stays in step for the next update; no weight changes. RuntimeError when the
+        transfer fails (the group may then be out of step: initialise it again)."""
+        engine = self._update_engine(update_info)
+        info = engine.parse_update_info(update_info)
+        if getattr(engine, "model_update_group", None) is None:
+            raise ValueError("This weight transfer backend has no trainer group to receive from.")
+        try:
+            with torch.no_grad():
+                for _ in engine.receive_weights(info):
+                    pass
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+        except Exception as e:
+            raise RuntimeError(f"Receiving the refused update to drop it failed ({type(e).__name__}: {e}); no "
+                               "weight was changed, but the transfer group may be out of step with the trainer: "
+                               "initialise it again (init_weight_transfer_engine).") from e
 
     def load_from_disk(self, path: str) -> None:
         """A whole checkpoint-format update from a folder of safetensors, whatever the configured backend."""

@@ -168,6 +168,19 @@ class Worker:
         self._check_weights_awake()
         self.weight_updater.update(update_info)
 
+    def check_weight_update(self, update_info: dict[str, Any]) -> tuple[str | None, bool]:
+        """update_weights' checks alone, nothing moved (WeightUpdater.check_update): (refusal text or None,
+        whether this rank can receive the update's bytes and drop them)."""
+        try:
+            self._check_weights_awake()
+        except ValueError as e:
+            return str(e), self.weight_updater.check_update(update_info)[1]
+        return self.weight_updater.check_update(update_info)
+
+    def discard_weight_update(self, update_info: dict[str, Any]) -> None:
+        """Receive a refused update from the trainer's group and drop it (no weight changes)."""
+        self.weight_updater.discard(update_info)
+
     def finish_weight_update(self) -> None:
         self.weight_updater.finish()
 
@@ -196,7 +209,7 @@ class Worker:
 ENGINE_ONLY_METHODS = frozenset({
     "determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up_model", "execute_model",
     "execute_model_async", "call", "init_weight_transfer_engine", "start_weight_update", "update_weights",
-    "finish_weight_update", "check_weights_from_disk", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
+    "check_weight_update", "discard_weight_update", "finish_weight_update", "check_weights_from_disk", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
 # What Worker.__init__ sets: an extension attribute of these names would be shadowed.
 _INSTANCE_ATTRIBUTES = frozenset({"vllm_config", "model_config", "parallel_config", "rank", "local_rank", "device",
                                   "model_runner", "weight_updater", "sleeper"})
