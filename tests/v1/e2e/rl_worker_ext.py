@@ -45,6 +45,11 @@ class ProbeExtension:
         time.sleep(seconds)
         return seconds
 
+    def probe_tick(self) -> list[int]:
+        """Counts this worker's calls: [its engine's data-parallel rank, how many times it ran probe_tick]."""
+        self.probe_ticks = getattr(self, "probe_ticks", 0) + 1
+        return [self.parallel_config.data_parallel_rank, self.probe_ticks]  # type: ignore[attr-defined]
+
 
 class ClashingExtension:
     def update_weights(self, update_info: Any) -> None:  # the worker has one

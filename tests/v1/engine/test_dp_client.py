@@ -30,7 +30,8 @@ class RankEchoEngineCore:
     finishes, any other stays in the engine silently (so an idle loop waits instead of spinning) until aborted."""
 
     UTILITY_METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "wake_up", "get_aborted",
-                                 "init_broadcaster", "get_broadcaster", "refuse_on_rank_one", "abort_all_requests"})
+                                 "init_broadcaster", "get_broadcaster", "refuse_on_rank_one", "abort_all_requests",
+                                 "check_weight_update", "discard_weight_update", "update_weights", "get_calls"})
 
     def __init__(self, vllm_config: Any) -> None:
         self.rank = vllm_config.parallel_config.data_parallel_rank
@@ -39,6 +40,7 @@ class RankEchoEngineCore:
         self.silent: dict[str, EngineCoreRequest] = {}
         self.aborted: list[str] = []
         self.broadcaster: int | None = None
+        self.calls: list[str] = []  # the collective_rpc and weight-update calls this engine ran, in order
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.pending[request.request_id] = request
@@ -62,7 +64,25 @@ class RankEchoEngineCore:
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=SchedulerStats(num_running_reqs=len(self.silent)))
 
     def collective_rpc(self, method: str, timeout: float | None, args: tuple, kwargs: Any) -> list[str]:
+        self.calls.append(f"rpc {method}")
         return [f"{method}@{self.rank}.{w}" for w in range(TP)]
+
+    # The weight-update agreement (core.py's verdict: refusal text or None, whether every rank can drop it):
+    # update_info {"refuse_on": [engine ranks], "receivable": bool} says what this fake answers.
+    def check_weight_update(self, update_info: dict[str, Any]) -> tuple[str | None, bool]:
+        self.calls.append("check")
+        refuses = self.rank in update_info["refuse_on"]
+        return (f"engine {self.rank} refuses" if refuses else None), update_info["receivable"]
+
+    def discard_weight_update(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("discard")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("update")
+
+    def get_calls(self) -> list[str]:
+        calls, self.calls = self.calls, []
+        return calls
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         return self.rank == 0
@@ -192,8 +212,9 @@ def test_utility_calls_reach_every_engine_and_combine() -> None:
         client = _client()
         reader = Reader(client)
         try:
-            assert await client.call_utility_async("collective_rpc", "echo", None, (), None) == \
-                ["echo@0.0", "echo@0.1", "echo@1.0", "echo@1.1"]
+            # vLLM's DP client: every engine runs it, the result is engine 0's workers' (one per TP rank).
+            assert await client.call_utility_async("collective_rpc", "echo", None, (), None) == ["echo@0.0", "echo@0.1"]
+            assert [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)] == [["rpc echo"]] * 2
             assert await client.call_utility_async("reset_prefix_cache", False, False) is False
             assert await client.call_utility_async("wake_up", None) is False
             for i in range(3):
@@ -211,6 +232,36 @@ def test_utility_calls_reach_every_engine_and_combine() -> None:
                 await client.call_utility_async("refuse_on_rank_one")
             with pytest.raises(ValueError, match="Unknown engine-core utility"):
                 await client.call_utility_async("no_such_call")
+        finally:
+            reader.task.cancel()
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("refuse_on, receivable, want", [
+    ([], True, [["check", "update"], ["check", "update"]]),
+    ([1], True, [["check", "discard"], ["check", "discard"]]),       # every engine drops the trainer's bytes
+    ([0, 1], True, [["check", "discard"], ["check", "discard"]]),
+    ([1], False, [["check"], ["check"]]),                              # not every engine can receive: none tries
+])
+def test_update_weights_is_agreed_by_every_engine_first(refuse_on: list[int], receivable: bool,
+                                                        want: list[list[str]]) -> None:
+    """No engine receives an update (a collective with the trainer) unless every engine accepted it; a refusal by
+    any engine is dropped by all of them when all can, and raised (weight_sync.py)."""
+    async def run() -> None:
+        client = _client()
+        reader = Reader(client)
+        try:
+            info = {"refuse_on": refuse_on, "receivable": receivable}
+            if not refuse_on:
+                assert await client.call_utility_async("update_weights", info) is None
+            else:
+                refusal = "engine 1 refuses" if refuse_on == [1] else "engine 0 refuses"
+                note = "dropped it" if receivable else "Nothing of this update was received"
+                with pytest.raises(VLLMValidationError, match=rf"{refusal}.*{note}"):
+                    await client.call_utility_async("update_weights", info)
+            assert [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)] == want
         finally:
             reader.task.cancel()
             client.shutdown()

@@ -8,12 +8,17 @@ with waiting requests counted heavier when the engine's KV cache is over half fu
 index spread over the API servers. Aborts go to the engine that holds each request.
 
 Utility calls (pause, resume, sleep, wake_up, reset_prefix_cache, weight updates, collective_rpc, ...) go to
-every engine core at once and return when all answered: collective_rpc's results are one list, the engines' in
-rank order (each engine's workers in their rank order); reset_prefix_cache is True only when every engine reset
-its cache, wake_up only when every engine is fully awake; abort_all_requests counts over all engines; is_paused
-and is_sleeping are True when any engine is; any other call returns rank 0's result. When any engine raised, the call raises the lowest rank's exception (after
-all answered). The ranks that join a trainer's NCCL group (init_weight_transfer_engine, init_broadcaster) are
-offset per engine by `rank * tensor_parallel_size`, so every worker of every engine has its own rank.
+every engine core at once and return when all answered: collective_rpc returns engine 0's workers' results, in
+their rank order, as vLLM's DP client does (every engine ran it; `call_engine_async` reaches one engine, which is
+how AsyncLLM.collective_rpc(data_parallel_rank=i) returns engine i's); reset_prefix_cache is True only when every
+engine reset its cache, wake_up only when every engine is fully awake; abort_all_requests counts over all engines;
+is_paused and is_sleeping are True when any engine is; any other call returns rank 0's result. When any engine
+raised, the call raises the lowest rank's exception (after all answered). The ranks that join a trainer's NCCL
+group (init_weight_transfer_engine, init_broadcaster) are offset per engine by `rank * tensor_parallel_size`, so
+every worker of every engine has its own rank. update_weights is agreed first (weight_sync.py): every engine checks
+the update on all its ranks (`check_weight_update`), and only when all accept does any engine receive it; else
+every engine drops it (`discard_weight_update`, when all can) and the call raises the refusal, so no engine waits
+in the trainer's broadcast for one that refused.
 
 Invariants:
 - `reqs_in_flight` holds exactly the requests this client sent and has not seen finish (a finished output, an
@@ -38,6 +43,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import AsyncMPClient
 from vllm.v1.engine.core_launch import EngineCoreHandle
+from vllm.v1.engine.weight_sync import refusal_text, refused
 
 # The data-parallel rank the HTTP request being handled asked for (X-data-parallel-rank), for AsyncLLM.add_request
 # when its caller passes none; set by the server's routes (api_server.py) in the request's own task.
@@ -81,14 +87,14 @@ def parse_data_parallel_rank_header(value: str | None, data_parallel_size: int) 
 
 def _combine(method: str, results: list[Any]) -> Any:
     """One result from every engine's (rank order), as the module docstring says."""
-    if method == "collective_rpc":
-        return [r for engine_results in results for r in engine_results]
     if method in ("reset_prefix_cache", "wake_up"):
         return all(results)
     if method == "abort_all_requests":
         return sum(results)
     if method in ("is_paused", "is_sleeping"):
         return any(results)
+    # NOTE: collective_rpc too: engine 0's workers' results, the shape vLLM's DP client returns (RL code indexes
+    # them by worker rank); every engine ran the call.
     return results[0]
 
 
@@ -99,6 +105,8 @@ class DPLBAsyncMPClient(AsyncMPClient):
         num_engines = self.data_parallel_size
         self.tensor_parallel_size = int(vllm_config.parallel_config.tensor_parallel_size) \
             if vllm_config is not None else 1
+        transfer = getattr(vllm_config, "weight_transfer_config", None)
+        self.weight_transfer_backend = transfer.backend if transfer is not None else "nccl"
         self.client_count = self.handle.num_clients
         self.reqs_in_flight: dict[str, int] = {}
         self.engine_inflight = [0] * num_engines
@@ -182,13 +190,35 @@ class DPLBAsyncMPClient(AsyncMPClient):
 
     async def call_utility_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The call on every engine core; one combined result (module docstring)."""
+        if method == "update_weights":
+            await self._agree_on_update(*args, **kwargs)
+        return _combine(method, await self._on_every_engine(method, args, kwargs))
+
+    async def _on_every_engine(self, method: str, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
         calls = [self.call_engine_async(e, method, *self._engine_args(method, args, kwargs, e))
                  for e in range(self.data_parallel_size)]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return _combine(method, results)
+        return results
+
+    async def _agree_on_update(self, update_info: Any) -> None:
+        """Return when every engine accepts `update_info`; else have every engine drop the trainer's broadcast
+        (when all can receive it) and raise the refusal (weight_sync.py)."""
+        verdicts = await self._on_every_engine("check_weight_update", (update_info,), {})
+        problems = [(e, problem) for e, (problem, _) in enumerate(verdicts) if problem is not None]
+        if not problems:
+            return
+        drained: bool | BaseException = False
+        if all(receivable for _, receivable in verdicts):
+            try:
+                await self._on_every_engine("discard_weight_update", (update_info,), {})
+                drained = True
+            except Exception as e:
+                drained = e
+        raise refused(refusal_text(problems, self.data_parallel_size, "data-parallel engine"),
+                      self.weight_transfer_backend, drained)
 
     def _engine_args(self, method: str, args: tuple, kwargs: dict[str, Any],
                      engine: int) -> tuple[tuple, dict[str, Any]]:
