@@ -137,6 +137,13 @@ def refuse_update_check_on_rank1(worker: Any) -> int:
     return worker.rank
 
 
+def refuse_update_check(worker: Any) -> None:
+    """This worker refuses every update_weights at its check (sent to one data-parallel engine by name)."""
+    def refuse(names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]]) -> None:
+        raise ValueError("Weight update refused, no weight was changed: (test: this engine refuses)")
+    worker.weight_updater.check = refuse
+
+
 def restore_update_check(worker: Any) -> None:
     worker.weight_updater.__dict__.pop("check", None)
 

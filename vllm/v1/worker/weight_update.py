@@ -14,7 +14,9 @@ Invariants:
   (the whole tensor: each rank's weight_loader keeps its own shard) and a floating-point dtype.
   A refused update changes no weight and raises ValueError; the engine keeps its weights and keeps serving.
   Any other error may come after some copies (RuntimeError). With several ranks the engine core judges the
-  ranks' outcomes together (vllm/v1/engine/weight_sync.py).
+  ranks' outcomes together (vllm/v1/engine/weight_sync.py): every rank runs `check_update` (the same check,
+  nothing moved) before any rank runs `update`, and a refused update is received and dropped by every rank
+  (`discard`) so a trainer's broadcast completes.
 - Tensors are copied one by one into the parameters' storage (`copy_`, casting to the model's dtype), so their
   addresses, and the CUDA graphs captured over them, stay valid, and memory stays about one tensor. On CUDA the
   update waits for its copies before it returns (an IPC sender may free its tensors then).
