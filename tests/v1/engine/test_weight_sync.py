@@ -109,7 +109,7 @@ def test_one_rank_refusing_keeps_every_rank_out_of_the_update_and_drops_the_byte
 def test_every_rank_refusing_alike_gives_that_refusal() -> None:
     executor, error = _update([(True, ("no such weight", True))] * 2)
     assert _methods(executor) == ["check_weight_update", "discard_weight_update"]
-    assert str(error).startswith("no such weight Every worker received")
+    assert str(error).startswith("no such weight. Every worker received")
 
 
 @pytest.mark.parametrize("checks", [

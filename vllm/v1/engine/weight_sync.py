@@ -111,6 +111,8 @@ def refused(problem: str, backend: str, drained: bool | BaseException) -> VLLMVa
                 "trainer_init on a new port) before the next update.")
     else:
         note = ""
+    if note and not problem.rstrip().endswith((".", ")")):
+        problem = problem.rstrip() + "."
     return VLLMValidationError(f"{problem} {note}".strip(), parameter="update_info")
 
 
