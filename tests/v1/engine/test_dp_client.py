@@ -31,7 +31,8 @@ class RankEchoEngineCore:
 
     UTILITY_METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "wake_up", "get_aborted",
                                  "init_broadcaster", "get_broadcaster", "refuse_on_rank_one", "abort_all_requests",
-                                 "check_weight_update", "discard_weight_update", "update_weights", "get_calls"})
+                                 "check_weight_update", "discard_weight_update", "update_weights", "get_calls",
+                                 "check_weight_transfer_init", "init_weight_transfer_engine"})
 
     def __init__(self, vllm_config: Any) -> None:
         self.rank = vllm_config.parallel_config.data_parallel_rank
@@ -79,6 +80,16 @@ class RankEchoEngineCore:
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.calls.append("update")
+
+    # Joining a trainer's group: TP workers of ranks rank_offset .. rank_offset + TP - 1 must fit in world_size.
+    def check_weight_transfer_init(self, init_info: dict[str, Any]) -> str | None:
+        self.calls.append(f"check init {init_info['rank_offset']}")
+        if init_info["rank_offset"] + TP > init_info["world_size"]:
+            return f"ranks from {init_info['rank_offset']} do not fit"
+        return None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append(f"init {init_info['rank_offset']}")
 
     def get_calls(self) -> list[str]:
         calls, self.calls = self.calls, []
@@ -262,6 +273,29 @@ def test_update_weights_is_agreed_by_every_engine_first(refuse_on: list[int], re
                 with pytest.raises(VLLMValidationError, match=rf"{refusal}.*{note}"):
                     await client.call_utility_async("update_weights", info)
             assert [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)] == want
+        finally:
+            reader.task.cancel()
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_joining_the_trainers_group_is_agreed_by_every_engine_first() -> None:
+    """Engine i's workers take ranks after the lower engines'; a world_size too small for engine 1 is refused
+    before engine 0 joins (it would wait in the rendezvous for workers that never come)."""
+    async def run() -> None:
+        client = _client()
+        reader = Reader(client)
+        try:
+            async def calls() -> list[list[str]]:
+                return [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)]
+
+            with pytest.raises(VLLMValidationError, match=r"refused by 1 of 2 data-parallel engines.*engine 1: "
+                                                          r"ranks from 3 do not fit.*No worker joined"):
+                await client.call_utility_async("init_weight_transfer_engine", {"rank_offset": 1, "world_size": 3})
+            assert await calls() == [["check init 1"], ["check init 3"]]
+            await client.call_utility_async("init_weight_transfer_engine", {"rank_offset": 1, "world_size": 5})
+            assert await calls() == [["check init 1", "init 1"], ["check init 3", "init 3"]]
         finally:
             reader.task.cancel()
             client.shutdown()

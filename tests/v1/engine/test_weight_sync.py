@@ -4,7 +4,8 @@ serves on; any other mix with several ranks -> WeightsOutOfStepError (fatal, an 
 own error as it is. update_weights_all_or_none agrees before any rank receives (hand-worked call sequences): every
 rank accepts -> check, then update; any rank refuses -> no rank's update_weights runs, every rank drops the
 trainer's bytes when every rank can receive them, and the refusal (VLLMValidationError) says which ranks refused
-and what became of the trainer's bytes."""
+and what became of the trainer's bytes. init_transfer_all_or_none: no rank joins the trainer's group unless every
+rank's check passed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import EngineStepError
-from vllm.v1.engine.weight_sync import WeightsOutOfStepError, run_weight_change, update_weights_all_or_none
+from vllm.v1.engine.weight_sync import (WeightsOutOfStepError, init_transfer_all_or_none, run_weight_change,
+                                        update_weights_all_or_none)
 
 
 class FakeExecutor:
@@ -31,6 +33,9 @@ class FakeExecutor:
     def run_workers_outcomes(self, method: str, *args: Any) -> list[tuple[bool, Any]]:
         self.calls.append((method, args))
         return self.by_method.get(method, self.outcomes)
+
+    def run_workers(self, method: str, *args: Any) -> list[Any]:
+        return [value for _, value in self.run_workers_outcomes(method, *args)]
 
 
 def _run(outcomes: list[tuple[bool, Any]]) -> None:
@@ -136,3 +141,19 @@ def test_ipc_and_disk_refusals_say_nothing_of_a_broadcast() -> None:
     executor, error = _update([(True, ("no such weight", False))], backend="ipc")
     assert _methods(executor) == ["check_weight_update"]
     assert str(error) == "no such weight (parameter=update_info)"
+
+
+def test_no_rank_joins_the_trainers_group_unless_every_rank_would() -> None:
+    init_info = {"rank_offset": 1, "world_size": 2}
+    executor = FakeExecutor([(True, None)] * 2, {"check_weight_transfer_init": [
+        (True, None), (False, ValueError("init_info.rank_offset (1) + this worker's rank (1) must be below "
+                                         "init_info.world_size (2)."))]})
+    with pytest.raises(VLLMValidationError, match=r"refused by 1 of 2 tensor-parallel ranks.*rank 1: init_info"
+                                                  r".*No worker joined the trainer's group") as info:
+        init_transfer_all_or_none(executor, init_info)  # type: ignore[arg-type]
+    assert info.value.parameter == "init_info"
+    assert [m for m, _ in executor.calls] == ["check_weight_transfer_init"]
+    executor = FakeExecutor([(True, None)] * 2)
+    init_transfer_all_or_none(executor, init_info)  # type: ignore[arg-type]
+    assert executor.calls == [("check_weight_transfer_init", (init_info,)), ("init_weight_transfer_engine",
+                                                                             (init_info,))]

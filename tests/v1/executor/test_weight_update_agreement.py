@@ -99,8 +99,12 @@ def test_refused_updates_block_no_rank_and_a_good_one_lands_after() -> None:
     trainer.start()
     llm = LLM(**ENGINE, tensor_parallel_size=2, weight_transfer_config={"backend": "nccl"})
     try:
-        _within(llm.init_weight_transfer_engine, {"init_info": {"master_address": "127.0.0.1", "master_port": port,
-                                                                "rank_offset": 1, "world_size": 3}})
+        init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3}
+        # 0. A group too small for rank 1: refused before rank 0 joins the rendezvous (it would wait there).
+        with pytest.raises(VLLMValidationError, match=r"refused by 1 of 2 tensor-parallel ranks.*must be below "
+                                                      r"init_info.world_size \(2\).*No worker joined"):
+            _within(llm.init_weight_transfer_engine, {"init_info": {**init_info, "world_size": 2}})
+        _within(llm.init_weight_transfer_engine, {"init_info": init_info})
         before = [llm.collective_rpc(param_sum, args=(name,)) for name in (NORM, DOWN)]
         _within(llm.start_weight_update)
 

@@ -59,8 +59,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStepError,
                              FinishReason)
 from vllm.v1.engine.sleep_mode import SLEEP_UTILITY_METHODS, EngineSleepMixin
-from vllm.v1.engine.weight_sync import (WeightsOutOfStepError, check_weight_update, discard_weight_update,
-                                        run_weight_change, update_weights_all_or_none)
+from vllm.v1.engine.weight_sync import (WeightsOutOfStepError, check_transfer_init, check_weight_update,
+                                        discard_weight_update, init_transfer_all_or_none, run_weight_change,
+                                        update_weights_all_or_none)
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
@@ -157,7 +158,7 @@ class EngineCore(EngineSleepMixin):
         "collective_rpc", "reset_prefix_cache", "init_weight_transfer_engine", "start_weight_update",
         "update_weights", "finish_weight_update", "get_weight_version", "update_weight_version", "weight_info",
         "load_weights_from_disk", "init_broadcaster", "load_weights_from_broadcast", "check_weight_update",
-        "discard_weight_update"}) | SLEEP_UTILITY_METHODS
+        "discard_weight_update", "check_weight_transfer_init"}) | SLEEP_UTILITY_METHODS
 
     def _drain(self) -> None:
         """Finish every step in flight now (no new one is launched); their outputs go to `pending_outputs`."""
@@ -249,7 +250,11 @@ class EngineCore(EngineSleepMixin):
         return self.model_executor.collective_rpc(method, timeout, args, kwargs or {})
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.model_executor.run_workers("init_weight_transfer_engine", init_info)
+        init_transfer_all_or_none(self.model_executor, init_info)  # NOTE: every rank checks before any joins
+
+    def check_weight_transfer_init(self, init_info: dict[str, Any]) -> str | None:
+        """init_weight_transfer_engine's checks alone (the data-parallel client's agreement): the refusal or None."""
+        return check_transfer_init(self.model_executor, init_info)
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         if self.updating_weights:

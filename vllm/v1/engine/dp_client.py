@@ -18,7 +18,8 @@ group (init_weight_transfer_engine, init_broadcaster) are offset per engine by `
 every worker of every engine has its own rank. update_weights is agreed first (weight_sync.py): every engine checks
 the update on all its ranks (`check_weight_update`), and only when all accept does any engine receive it; else
 every engine drops it (`discard_weight_update`, when all can) and the call raises the refusal, so no engine waits
-in the trainer's broadcast for one that refused.
+in the trainer's broadcast for one that refused; init_weight_transfer_engine likewise (`check_weight_transfer_init`
+on every engine, with its offset, before any worker joins the trainer's rendezvous).
 
 Invariants:
 - `reqs_in_flight` holds exactly the requests this client sent and has not seen finish (a finished output, an
@@ -43,7 +44,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import AsyncMPClient
 from vllm.v1.engine.core_launch import EngineCoreHandle
-from vllm.v1.engine.weight_sync import refusal_text, refused
+from vllm.v1.engine.weight_sync import refusal_text, refused, transfer_init_refused
 
 # The data-parallel rank the HTTP request being handled asked for (X-data-parallel-rank), for AsyncLLM.add_request
 # when its caller passes none; set by the server's routes (api_server.py) in the request's own task.
@@ -192,6 +193,8 @@ class DPLBAsyncMPClient(AsyncMPClient):
         """The call on every engine core; one combined result (module docstring)."""
         if method == "update_weights":
             await self._agree_on_update(*args, **kwargs)
+        elif method == "init_weight_transfer_engine":
+            await self._agree_on_transfer_init(args, kwargs)
         return _combine(method, await self._on_every_engine(method, args, kwargs))
 
     async def _on_every_engine(self, method: str, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
@@ -202,6 +205,14 @@ class DPLBAsyncMPClient(AsyncMPClient):
             if isinstance(result, BaseException):
                 raise result
         return results
+
+    async def _agree_on_transfer_init(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Return when every engine's workers would join the trainer's group (each with its rank offset); else
+        raise the refusal before any worker joins (weight_sync.py)."""
+        verdicts = await self._on_every_engine("check_weight_transfer_init", args, kwargs)
+        problems = [(e, problem) for e, problem in enumerate(verdicts) if problem is not None]
+        if problems:
+            raise transfer_init_refused(refusal_text(problems, self.data_parallel_size, "data-parallel engine"))
 
     async def _agree_on_update(self, update_info: Any) -> None:
         """Return when every engine accepts `update_info`; else have every engine drop the trainer's broadcast
@@ -239,11 +250,12 @@ class DPLBAsyncMPClient(AsyncMPClient):
 
 # The parameter that carries a trainer NCCL group's rank offset: (its name, its position) in the engine core's
 # method (core.py); init_weight_transfer_engine's is the init_info dict, whose "rank_offset" key is offset.
-_RANK_OFFSET_ARGUMENT = {"init_weight_transfer_engine": ("init_info", 0), "init_broadcaster": ("rank_offset", 2)}
+_RANK_OFFSET_ARGUMENT = {"init_weight_transfer_engine": ("init_info", 0),
+                         "check_weight_transfer_init": ("init_info", 0), "init_broadcaster": ("rank_offset", 2)}
 
 
 def _add_rank_offset(method: str, value: Any, offset: int) -> Any:
-    if method == "init_weight_transfer_engine":
+    if method in ("init_weight_transfer_engine", "check_weight_transfer_init"):
         if isinstance(value, dict) and "rank_offset" in value:
             return {**value, "rank_offset": int(value["rank_offset"]) + offset}
         return value

@@ -26,7 +26,10 @@ receive. A refused update is then received and dropped by every rank (`discard_w
 can (its layout parses and every rank joined the group), so the trainer's send completes and the group stays in
 step; the call raises the refusal (VLLMValidationError, HTTP 400) with what happened to the trainer's bytes. The
 data-parallel client (dp_client.py) makes the engines agree the same way through the engine core's
-`check_weight_update` / `discard_weight_update`.
+`check_weight_update` / `discard_weight_update`. Joining the trainer's group (`init_weight_transfer_engine`, a
+rendezvous of every worker) is agreed likewise: every rank checks the init_info (its keys, its own place in the
+group) before any rank joins (`init_transfer_all_or_none`; the engine core's `check_weight_transfer_init` for
+the data-parallel client).
 """
 
 from __future__ import annotations
@@ -136,3 +139,31 @@ def update_weights_all_or_none(executor: Executor, update_info: Any) -> None:
         except RuntimeError as e:
             drained = e
     raise refused(problem, transfer_backend(executor), drained)
+
+
+TRANSFER_INIT_REFUSED_NOTE = ("No worker joined the trainer's group: a trainer already in trainer_init waits until "
+                              "its timeout_s and then fails; call both again with a corrected init_info.")
+
+
+def check_transfer_init(executor: Executor, init_info: Any) -> str | None:
+    """Every rank's checks of `init_weight_transfer_engine(init_info)`, no group joined: the refusal's text, or
+    None when every rank would join."""
+    outcomes = executor.run_workers_outcomes("check_weight_transfer_init", init_info)
+    problems = [(rank, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+                for rank, (ok, e) in enumerate(outcomes) if not ok]
+    return refusal_text(problems, len(outcomes), "tensor-parallel rank") if problems else None
+
+
+def init_transfer_all_or_none(executor: Executor, init_info: Any) -> None:
+    """Every rank joins the trainer's group once every rank's check passed; else none does and the refusal is
+    raised (VLLMValidationError), so no rank waits in the rendezvous for one that refused."""
+    problem = check_transfer_init(executor, init_info)
+    if problem is not None:
+        raise transfer_init_refused(problem)
+    executor.run_workers("init_weight_transfer_engine", init_info)
+
+
+def transfer_init_refused(problem: str) -> VLLMValidationError:
+    if not problem.rstrip().endswith((".", ")")):
+        problem = problem.rstrip() + "."
+    return VLLMValidationError(f"{problem} {TRANSFER_INIT_REFUSED_NOTE}", parameter="init_info")

@@ -68,6 +68,12 @@ class WeightUpdater:
             self.transfer_engine.shutdown()
         self.transfer_engine = engine
 
+    def check_init(self, init_info: dict[str, Any]) -> None:
+        """init_transfer_engine's checks alone (ValueError): joins nothing."""
+        if not isinstance(init_info, dict):
+            raise ValueError(f"init_info must be an object, got {type(init_info).__name__}.")
+        self._make_engine().parse_init_info(init_info)
+
     def start(self, is_checkpoint_format: bool = True) -> None:
         if not isinstance(is_checkpoint_format, bool):
             raise ValueError(f"is_checkpoint_format must be a boolean, got {is_checkpoint_format!r}.")
