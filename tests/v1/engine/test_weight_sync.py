@@ -134,7 +134,8 @@ def test_a_failed_drop_is_still_a_refusal_naming_the_failure() -> None:
                               discards=[(True, None), (False, RuntimeError("connection reset"))])
     assert _methods(executor) == ["check_weight_update", "discard_weight_update"]
     assert isinstance(error, VLLMValidationError)
-    assert "receiving it to drop it failed: rank 1: RuntimeError: connection reset" in str(error)
+    assert "to drop it failed (rank 1: RuntimeError: connection reset); no weight changed" in str(error)
+    assert "trainer_init on a new port" in str(error)
 
 
 def test_ipc_and_disk_refusals_say_nothing_of_a_broadcast() -> None:
@@ -148,7 +149,8 @@ def test_no_rank_joins_the_trainers_group_unless_every_rank_would() -> None:
     executor = FakeExecutor([(True, None)] * 2, {"check_weight_transfer_init": [
         (True, None), (False, ValueError("init_info.rank_offset (1) + this worker's rank (1) must be below "
                                          "init_info.world_size (2)."))]})
-    with pytest.raises(VLLMValidationError, match=r"refused by 1 of 2 tensor-parallel ranks.*rank 1: init_info"
+    with pytest.raises(VLLMValidationError, match=r"Joining the trainer's weight-transfer group refused by 1 of 2 "
+                                                  r"tensor-parallel ranks.*rank 1: init_info"
                                                   r".*No worker joined the trainer's group") as info:
         init_transfer_all_or_none(executor, init_info)  # type: ignore[arg-type]
     assert info.value.parameter == "init_info"

@@ -44,7 +44,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import AsyncMPClient
 from vllm.v1.engine.core_launch import EngineCoreHandle
-from vllm.v1.engine.weight_sync import refusal_text, refused, transfer_init_refused
+from vllm.v1.engine.weight_sync import JOIN, refusal_text, refused, transfer_init_refused
 
 # The data-parallel rank the HTTP request being handled asked for (X-data-parallel-rank), for AsyncLLM.add_request
 # when its caller passes none; set by the server's routes (api_server.py) in the request's own task.
@@ -212,7 +212,8 @@ class DPLBAsyncMPClient(AsyncMPClient):
         verdicts = await self._on_every_engine("check_weight_transfer_init", args, kwargs)
         problems = [(e, problem) for e, problem in enumerate(verdicts) if problem is not None]
         if problems:
-            raise transfer_init_refused(refusal_text(problems, self.data_parallel_size, "data-parallel engine"))
+            text = refusal_text(problems, self.data_parallel_size, "data-parallel engine", JOIN)
+            raise transfer_init_refused(text)
 
     async def _agree_on_update(self, update_info: Any) -> None:
         """Return when every engine accepts `update_info`; else have every engine drop the trainer's broadcast

@@ -83,13 +83,13 @@ def check_weight_update(executor: Executor, update_info: Any) -> tuple[str | Non
     return refusal_text(problems, len(outcomes), "tensor-parallel rank"), receivable
 
 
-def refusal_text(problems: list[tuple[int, str]], num_parts: int, part: str) -> str:
+def refusal_text(problems: list[tuple[int, str]], num_parts: int, part: str, what: str = "Weight update") -> str:
     """One text for the refusals of some of `num_parts` parts (`part`: "tensor-parallel rank", "data-parallel
     engine"): the refusal itself when there is one part or all refused alike, else each refusing part's."""
     if num_parts == 1 or (len(problems) == num_parts and len({text for _, text in problems}) == 1):
         return problems[0][1]
     each = "; ".join(f"{part.split()[-1]} {i}: {text}" for i, text in problems)
-    return f"Weight update refused by {len(problems)} of {num_parts} {part}s, so none took it ({each})."
+    return f"{what} refused by {len(problems)} of {num_parts} {part}s, so none took it ({each})."
 
 
 def discard_weight_update(executor: Executor, update_info: Any) -> None:
@@ -104,14 +104,17 @@ def discard_weight_update(executor: Executor, update_info: Any) -> None:
 def refused(problem: str, backend: str, drained: bool | BaseException) -> VLLMValidationError:
     """The error of a refused update, saying what became of the trainer's bytes (`drained`: True when every
     worker received and dropped them; an exception when that failed; False when nothing was received)."""
+    again = ("initialise the weight transfer again (init_weight_transfer_engine, and trainer_init on a new port) "
+             "before the next update.")
     if drained is True:
         note = ("Every worker received this update from the trainer's group and dropped it, so the trainer's send "
                 "completes and the group stays in step: correct the update and send it again.")
+    elif isinstance(drained, BaseException):
+        note = (f"Receiving this update from the trainer's group to drop it failed ({drained}); no weight changed, "
+                f"but the group may be out of step with the trainer: {again}")
     elif backend == "nccl":
-        why = f" (receiving it to drop it failed: {drained})" if isinstance(drained, BaseException) else ""
-        note = (f"Nothing of this update was received{why}: a trainer sending it waits in its broadcast until the "
-                "group's timeout; then initialise the weight transfer again (init_weight_transfer_engine, and "
-                "trainer_init on a new port) before the next update.")
+        note = ("Nothing of this update was received: a trainer sending it waits in its broadcast until the "
+                f"group's timeout; then {again}")
     else:
         note = ""
     if note and not problem.rstrip().endswith((".", ")")):
@@ -141,6 +144,7 @@ def update_weights_all_or_none(executor: Executor, update_info: Any) -> None:
     raise refused(problem, transfer_backend(executor), drained)
 
 
+JOIN = "Joining the trainer's weight-transfer group"
 TRANSFER_INIT_REFUSED_NOTE = ("No worker joined the trainer's group: a trainer already in trainer_init waits until "
                               "its timeout_s and then fails; call both again with a corrected init_info.")
 
@@ -151,7 +155,7 @@ def check_transfer_init(executor: Executor, init_info: Any) -> str | None:
     outcomes = executor.run_workers_outcomes("check_weight_transfer_init", init_info)
     problems = [(rank, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
                 for rank, (ok, e) in enumerate(outcomes) if not ok]
-    return refusal_text(problems, len(outcomes), "tensor-parallel rank") if problems else None
+    return refusal_text(problems, len(outcomes), "tensor-parallel rank", JOIN) if problems else None
 
 
 def init_transfer_all_or_none(executor: Executor, init_info: Any) -> None:

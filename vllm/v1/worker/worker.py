@@ -213,8 +213,8 @@ class Worker:
 ENGINE_ONLY_METHODS = frozenset({
     "determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up_model", "execute_model",
     "execute_model_async", "call", "init_weight_transfer_engine", "check_weight_transfer_init", "start_weight_update",
-    "update_weights",
-    "check_weight_update", "discard_weight_update", "finish_weight_update", "check_weights_from_disk", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
+    "update_weights", "check_weight_update", "discard_weight_update", "finish_weight_update",
+    "check_weights_from_disk", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
 # What Worker.__init__ sets: an extension attribute of these names would be shadowed.
 _INSTANCE_ATTRIBUTES = frozenset({"vllm_config", "model_config", "parallel_config", "rank", "local_rank", "device",
                                   "model_runner", "weight_updater", "sleeper"})
