@@ -34,7 +34,9 @@ import numpy as np
 
 from frontend_step import engine_frames  # noqa: E402 (tools/profiling/ is the script's folder)
 from vllm.entrypoints.openai.api_server import _respond
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from vllm.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from vllm.entrypoints.openai.protocol_completion import CompletionRequest
+from vllm.entrypoints.openai.protocol_generate import GenerateRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_generate import OpenAIServingGenerate

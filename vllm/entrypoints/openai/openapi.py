@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from vllm.entrypoints.openai.protocol import ErrorResponse
+from vllm.entrypoints.openai.protocol_base import ErrorResponse
 
 _ERRORS = {
     400: "Invalid request: a missing or malformed field, a value out of range, a prompt too long for the context.",
