@@ -49,3 +49,30 @@ def test_protocol_models_are_the_classes_the_server_uses() -> None:
     assert all(issubclass(m, protocol.OpenAIBaseModel) for m in models)
     assert all(getattr(protocol, m.__name__) is m for m in models)  # exported under its own name, not an alias
     assert protocol.TokenizeRequest.__args__ == (protocol.TokenizeCompletionRequest, protocol.TokenizeChatRequest)
+
+
+API_SERVER_NAMES = ["build_app", "loop_factory", "make_vllm_config", "run_api_servers", "run_server"]
+# Private helpers that tests and tools imported from api_server.py before the split: kept under their old names.
+API_SERVER_PRIVATE_NAMES = [
+    "_APIKeyMiddleware", "_PROTECTED_PREFIXES", "_SSEResponse", "_api_server_proc", "_cancel_on_disconnect",
+    "_close_unsent_stream", "_data_parallel_rank", "_error", "_listen", "_respond", "_stop",
+    "_stop_signals_absorbed", "_validation_message", "_wait_for_disconnect", "_watch_engine",
+]
+
+
+@pytest.mark.parametrize("name", API_SERVER_NAMES + API_SERVER_PRIVATE_NAMES)
+def test_api_server_keeps_its_names(name: str) -> None:
+    api_server = importlib.import_module("vllm.entrypoints.openai.api_server")
+    assert callable(getattr(api_server, name, None)) or name == "_PROTECTED_PREFIXES", \
+        f"vllm.entrypoints.openai.api_server.{name} is gone"
+    assert (name in api_server.__all__) == (name in API_SERVER_NAMES)
+
+
+def test_api_server_entry_points_are_the_ones_the_cli_runs() -> None:
+    """`vllm serve` and `python -m vllm.entrypoints.openai.api_server` run the functions vLLM's path exports, and the
+    spawned API server processes of --api-server-count run the same `run_server`."""
+    from vllm.entrypoints.openai import api_server, api_server_group, app, server
+    assert api_server.run_server is server.run_server is api_server_group.run_server
+    assert api_server.build_app is app.build_app is server.build_app
+    assert api_server.run_api_servers is api_server_group.run_api_servers
+    assert api_server._PROTECTED_PREFIXES == ("/v1", "/inference")

@@ -3,7 +3,7 @@ strings) out; token ids in, text out.
 
 Invariants:
 - POST /tokenize takes either form; the body's own form picks the model (`messages` present: TokenizeChatRequest,
-  else TokenizeCompletionRequest), so the other form's fields are never reported as unknown (api_server.py's
+  else TokenizeCompletionRequest), so the other form's fields are never reported as unknown (routes.py's
   route does the pick; `TokenizeRequest` is the union for type hints).
 - A chat tokenize request takes the chat request's template fields with the same defaults, so it counts the
   prompt the chat endpoint would build from the same messages.
