@@ -56,7 +56,8 @@ class CompletionRequest(SamplingFields):
 
     model: Text | None = None
     prompt: CompletionPrompt = None
-    max_tokens: Int | None = Field(16, **bounds(minimum=1, maximum=INT64_MAX))
+    # NOTE: 0 is valid with `echo` (the prompt alone), so the schema's minimum is 0; without echo 0 gets a 400.
+    max_tokens: Int | None = Field(16, **bounds(minimum=0, maximum=INT64_MAX))
     logprobs: Int | None = Field(None, **bounds(minimum=0, maximum=INT64_MAX))
     echo: StrictBool = False
     stream: StrictBool = False
