@@ -89,10 +89,11 @@ for s in $stages; do
     offline_trees)  # offline throughput of each tree in $TREES (snapshots, e.g. .snap/1-main .snap/2-wip_x from
       # tools/snap_trees.sh; carry .snap), no mask then mask at 1024 requests, tree order A B .. then .. B A (~6 min
       # for two trees); each tree's own benchmark script and vllm; OFFLINE_FLAGS more benchmark_throughput flags
-      # (e.g. --async-engine: an AsyncLLM embedded in the benchmark's process instead of the LLM class)
+      # (e.g. --async-engine: an AsyncLLM embedded in the benchmark's process instead of the LLM class);
+      # OFFLINE_MASKS="0" runs the no-mask rows only (half the time)
       set -- ${TREES:?set TREES to the snapshot folders}
       order="$* $(printf '%s\n' "$@" | tac | tr '\n' ' ')"
-      for t in $order; do for m in 0 1; do
+      for t in $order; do for m in ${OFFLINE_MASKS:-0 1}; do
         flags=""; [ "$m" = 1 ] && flags="--return-sampling-mask"
         (cd "$t" && PYTHONPATH=/tmp/site:$PWD offline_run --num-prompts 1024 $flags ${OFFLINE_FLAGS:-} \
           | sed "s|^|$(basename "$t") mask=$m |" | tee -a "$OUT/offline_trees.txt")

@@ -21,7 +21,7 @@ whichever API server (--api-server-count) receives it.
   an X-data-parallel-rank header (not vLLM's), engine i alone runs it and answers with its workers' results.
 - Sleep mode (vLLM's, with --enable-sleep-mode): POST /sleep?level=1|2&mode=abort|wait|keep and POST
   /wake_up?tags=weights&tags=kv_cache (repeated query parameter; none: all) -> 200, empty body, as vLLM; GET
-  /is_sleeping -> {"is_sleeping": bool}. While asleep, generation requests get 503 (api_server.py).
+  /is_sleeping -> {"is_sleeping": bool}. While asleep, generation requests get 503 (http_errors.py).
 Bad input is a 400 with an OpenAI error body; a refused weight update changes no weight.
 """
 
