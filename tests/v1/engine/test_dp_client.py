@@ -20,7 +20,9 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
 from vllm.v1.engine.core_client import EngineDeadError, make_async_client
 from vllm.v1.engine.core_launch import device_env, engine_config, launch_engine_cores
-from vllm.v1.engine.dp_client import DPLBAsyncMPClient, check_data_parallel_rank, parse_data_parallel_rank_header
+from vllm.v1.engine.dp_client import (ENGINE_WIDE_RPC_METHODS, DPLBAsyncMPClient, check_data_parallel_rank,
+                                      check_rpc_engine, parse_data_parallel_rank_header)
+from vllm.v1.engine.weight_sync import WeightDrainError, WeightsOutOfStepError
 
 TP = 2
 
@@ -75,11 +77,20 @@ class RankEchoEngineCore:
         refuses = self.rank in update_info["refuse_on"]
         return (f"engine {self.rank} refuses" if refuses else None), update_info["receivable"]
 
+    # update_info {"drop_fails": {rank: "dead" | "drain"}}: what engine rank's drop raises (as core.py's would);
+    # {"update_refused_on": [ranks]}: those engines refuse at update_weights (changed by another caller since).
     def discard_weight_update(self, update_info: dict[str, Any]) -> None:
         self.calls.append("discard")
+        fails = update_info.get("drop_fails", {}).get(self.rank)
+        if fails == "dead":
+            raise EngineDeadError(f"A tensor-parallel worker of engine {self.rank} failed")
+        if fails == "drain":
+            raise WeightDrainError(f"rank 0: RuntimeError: connection reset on engine {self.rank}")
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.calls.append("update")
+        if self.rank in update_info.get("update_refused_on", ()):
+            raise ValueError(f"No weight update is in progress on engine {self.rank}")
 
     # Joining a trainer's group: TP workers of ranks rank_offset .. rank_offset + TP - 1 must fit in world_size.
     def check_weight_transfer_init(self, init_info: dict[str, Any]) -> str | None:
@@ -278,6 +289,80 @@ def test_update_weights_is_agreed_by_every_engine_first(refuse_on: list[int], re
             client.shutdown()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("drop_fails, want", [
+    ({1: "dead"}, EngineDeadError),        # an engine dies during the drop: its death, not a refusal
+    ({0: "drain", 1: "dead"}, EngineDeadError),
+    ({1: "drain"}, VLLMValidationError),   # the drop failed: still the refusal, saying so
+])
+def test_a_failed_drop_on_some_engine(drop_fails: dict[int, str], want: type) -> None:
+    async def run() -> None:
+        client = _client()
+        reader = Reader(client)
+        try:
+            info = {"refuse_on": [0], "receivable": True, "drop_fails": drop_fails}
+            with pytest.raises(want) as caught:
+                await client.call_utility_async("update_weights", info)
+            if want is EngineDeadError:
+                assert "engine 1 failed" in str(caught.value) and not isinstance(caught.value, ValueError)
+            else:
+                assert "engine 0 refuses" in str(caught.value)
+                assert ("to drop it failed (engine 1: rank 0: RuntimeError: connection reset on engine 1); no "
+                        "weight changed") in str(caught.value)
+                assert isinstance(caught.value.__cause__, WeightDrainError)
+            assert [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)] == \
+                [["check", "discard"]] * 2
+        finally:
+            reader.task.cancel()
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("refused_on", [[1], [0], [0, 1]])
+def test_an_update_some_engines_applied_is_engines_out_of_step(refused_on: list[int]) -> None:
+    """Every engine accepted at the check, then some refused at the update (another caller changed them in
+    between): engines that applied it and engines that did not -> WeightsOutOfStepError naming both, not the
+    refusal's 'no weight changed'; every engine refusing -> the lowest rank's refusal."""
+    async def run() -> None:
+        client = _client()
+        reader = Reader(client)
+        try:
+            info = {"refuse_on": [], "receivable": True, "update_refused_on": refused_on}
+            if len(refused_on) == 2:
+                with pytest.raises(ValueError, match="^No weight update is in progress on engine 0$"):
+                    await client.call_utility_async("update_weights", info)
+            else:
+                applied, refused = 1 - refused_on[0], refused_on[0]
+                with pytest.raises(WeightsOutOfStepError, match=rf"engines out of step: the weight update was "
+                                   rf"applied by engine\(s\) {applied} but not by 1 of 2 engines \(engine "
+                                   rf"{refused}: ValueError: No weight update is in progress on engine {refused}\)"):
+                    await client.call_utility_async("update_weights", info)
+            assert [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)] == \
+                [["check", "update"]] * 2
+        finally:
+            reader.task.cancel()
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_engine_wide_methods_cannot_name_one_engine() -> None:
+    """sleep / wake_up and the weight-update methods with data_parallel_rank: refused, naming the method; without
+    it, or another method with it, nothing is refused."""
+    from vllm.v1.worker.worker import ENGINE_ONLY_METHODS
+    for method in ("sleep", "wake_up", "update_weights", "start_weight_update", "load_weights_from_disk"):
+        with pytest.raises(VLLMValidationError, match=rf"collective_rpc '{method}' cannot run on one data-parallel "
+                                                      r"engine") as info:
+            check_rpc_engine(method, 1)
+        assert info.value.parameter == "data_parallel_rank"
+        check_rpc_engine(method, None)
+    check_rpc_engine("probe_parallel", 0)
+    check_rpc_engine(len, 0)
+    # Every weight method the workers keep for the engine is in the list.
+    weight_methods = {m for m in ENGINE_ONLY_METHODS if "weight" in m or "broadcast" in m}
+    assert weight_methods and weight_methods <= ENGINE_WIDE_RPC_METHODS
 
 
 def test_joining_the_trainers_group_is_agreed_by_every_engine_first() -> None:

@@ -4,7 +4,8 @@ serves on; any other mix with several ranks -> WeightsOutOfStepError (fatal, an 
 own error as it is. update_weights_all_or_none agrees before any rank receives (hand-worked call sequences): every
 rank accepts -> check, then update; any rank refuses -> no rank's update_weights runs, every rank drops the
 trainer's bytes when every rank can receive them, and the refusal (VLLMValidationError) says which ranks refused
-and what became of the trainer's bytes. init_transfer_all_or_none: no rank joins the trainer's group unless every
+and what became of the trainer's bytes; a drop that fails is a WeightDrainError inside that refusal, but a worker that dies
+during the drop is EngineDeadError, never a refusal. init_transfer_all_or_none: no rank joins the trainer's group unless every
 rank's check passed."""
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import pytest
 
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import EngineStepError
-from vllm.v1.engine.weight_sync import (WeightsOutOfStepError, init_transfer_all_or_none, run_weight_change,
-                                        update_weights_all_or_none)
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.core_client import EngineDeadError
+from vllm.v1.engine.weight_sync import (WeightDrainError, WeightsOutOfStepError, init_transfer_all_or_none,
+                                        run_weight_change, update_weights_all_or_none)
 
 
 class FakeExecutor:
@@ -31,8 +34,13 @@ class FakeExecutor:
         self.vllm_config = SimpleNamespace(weight_transfer_config=SimpleNamespace(backend=backend))
 
     def run_workers_outcomes(self, method: str, *args: Any) -> list[tuple[bool, Any]]:
+        """An exception in place of the outcomes is raised (as the distributed executor raises EngineDeadError
+        when a worker died)."""
         self.calls.append((method, args))
-        return self.by_method.get(method, self.outcomes)
+        outcomes = self.by_method.get(method, self.outcomes)
+        if isinstance(outcomes, BaseException):
+            raise outcomes
+        return outcomes
 
     def run_workers(self, method: str, *args: Any) -> list[Any]:
         return [value for _, value in self.run_workers_outcomes(method, *args)]
@@ -80,7 +88,8 @@ INFO = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]}
 
 
 def _update(checks: list[tuple[bool, Any]], backend: str = "nccl",
-            discards: list[tuple[bool, Any]] | None = None) -> tuple[FakeExecutor, BaseException | None]:
+            discards: list[tuple[bool, Any]] | BaseException | None = None
+            ) -> tuple[FakeExecutor, BaseException | None]:
     executor = FakeExecutor([(True, None)] * len(checks), {"check_weight_update": checks,
                                                            **({"discard_weight_update": discards} if discards else {})},
                             backend)
@@ -136,6 +145,34 @@ def test_a_failed_drop_is_still_a_refusal_naming_the_failure() -> None:
     assert isinstance(error, VLLMValidationError)
     assert "to drop it failed (rank 1: RuntimeError: connection reset); no weight changed" in str(error)
     assert "trainer_init on a new port" in str(error)
+    assert isinstance(error.__cause__, WeightDrainError)
+
+
+@pytest.mark.parametrize("discards", [
+    EngineDeadError("A tensor-parallel worker failed: rank 1 exited"),                # the executor raises it
+    [(True, None), (False, EngineDeadError("A tensor-parallel worker failed: rank 1 exited"))],  # a rank's outcome
+    [(False, EngineStepError("a step failed")), (True, None)],
+])
+def test_a_dead_worker_during_the_drop_is_not_a_refusal(discards: Any) -> None:
+    """A worker that dies while the refused update is dropped is the engine's death, not 'no weight changed'."""
+    executor, error = _update([(True, ("no such weight", True))] * 2, discards=discards)
+    assert _methods(executor) == ["check_weight_update", "discard_weight_update"]
+    assert isinstance(error, (EngineDeadError, EngineStepError)) and not isinstance(error, ValueError)
+    assert "rank 1 exited" in str(error) or "a step failed" in str(error)
+
+
+def test_the_engine_core_outside_an_update() -> None:
+    """update_weights before start_weight_update is the same refusal the data-parallel client's check gives
+    (nothing received: an nccl trainer waits until its timeout); the drop there is a WeightDrainError."""
+    executor = FakeExecutor([(True, None)])
+    core = SimpleNamespace(updating_weights=False, model_executor=executor)
+    with pytest.raises(VLLMValidationError, match=r"^No weight update is in progress: call start_weight_update "
+                                                  r"first\. Nothing of this update was received") as info:
+        EngineCore.update_weights(core, INFO)  # type: ignore[arg-type]
+    assert info.value.parameter == "update_info"
+    with pytest.raises(WeightDrainError, match="No weight update is in progress on this engine"):
+        EngineCore.discard_weight_update(core, INFO)  # type: ignore[arg-type]
+    assert executor.calls == []
 
 
 def test_ipc_and_disk_refusals_say_nothing_of_a_broadcast() -> None:

@@ -34,7 +34,7 @@ from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
 from vllm.utils import refuse_stat_loggers, unwrap_info
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, make_async_client
-from vllm.v1.engine.dp_client import check_data_parallel_rank, current_data_parallel_rank
+from vllm.v1.engine.dp_client import check_data_parallel_rank, check_rpc_engine, current_data_parallel_rank
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_collector import RequestOutputCollector
 from vllm.v1.engine.output_processor import OutputProcessor
@@ -330,8 +330,10 @@ class AsyncLLM:
         """Run a worker method (by name, or a picklable callable taking the worker first) on every worker, after
         the steps in flight; one result per worker. TimeoutError after `timeout` seconds (the call itself runs
         on). With data parallel every engine core runs it and the results are engine 0's workers' (vLLM's);
-        data_parallel_rank=i (not vLLM's) runs it on engine core i alone and returns its workers' results."""
+        data_parallel_rank=i (not vLLM's) runs it on engine core i alone and returns its workers' results, except
+        for sleep, wake_up and the weight-update methods (VLLMValidationError: they hold for every engine)."""
         rank = check_data_parallel_rank(data_parallel_rank, self.engine_core.data_parallel_size)
+        check_rpc_engine(method, rank)
         call = self._call("collective_rpc", method, timeout, tuple(args), kwargs) if rank is None else \
             self._call_engine(rank, "collective_rpc", method, timeout, tuple(args), kwargs)
         results = await (asyncio.wait_for(call, timeout) if timeout is not None else call)

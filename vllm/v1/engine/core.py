@@ -59,9 +59,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStepError,
                              FinishReason)
 from vllm.v1.engine.sleep_mode import SLEEP_UTILITY_METHODS, EngineSleepMixin
-from vllm.v1.engine.weight_sync import (WeightsOutOfStepError, check_transfer_init, check_weight_update,
-                                        discard_weight_update, init_transfer_all_or_none, run_weight_change,
-                                        update_weights_all_or_none)
+from vllm.v1.engine.weight_sync import (WeightDrainError, WeightsOutOfStepError, check_transfer_init,
+                                        check_weight_update, discard_weight_update, init_transfer_all_or_none,
+                                        no_update_in_progress, run_weight_change, update_weights_all_or_none)
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
@@ -271,7 +271,7 @@ class EngineCore(EngineSleepMixin):
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if not self.updating_weights:
-            raise ValueError("No weight update is in progress: call start_weight_update first.")
+            raise no_update_in_progress(self.model_executor)  # NOTE: a refusal, as the DP client's check gives it
         # NOTE: every rank accepts before any receives (weight_sync.py): a refusal leaves no rank in the trainer's
         # collective.
         update_weights_all_or_none(self.model_executor, update_info)
@@ -284,9 +284,10 @@ class EngineCore(EngineSleepMixin):
         return check_weight_update(self.model_executor, update_info)
 
     def discard_weight_update(self, update_info: dict[str, Any]) -> None:
-        """Receive a refused update from the trainer's group on every rank and drop it (no weight changes)."""
+        """Receive a refused update from the trainer's group on every rank and drop it (no weight changes);
+        WeightDrainError when that fails here (another caller ended the update since the check, say)."""
         if not self.updating_weights:
-            raise ValueError("No weight update is in progress: call start_weight_update first.")
+            raise WeightDrainError("No weight update is in progress on this engine: nothing was received.")
         discard_weight_update(self.model_executor, update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

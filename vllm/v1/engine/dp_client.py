@@ -18,7 +18,10 @@ group (init_weight_transfer_engine, init_broadcaster) are offset per engine by `
 every worker of every engine has its own rank. update_weights is agreed first (weight_sync.py): every engine checks
 the update on all its ranks (`check_weight_update`), and only when all accept does any engine receive it; else
 every engine drops it (`discard_weight_update`, when all can) and the call raises the refusal, so no engine waits
-in the trainer's broadcast for one that refused; init_weight_transfer_engine likewise (`check_weight_transfer_init`
+in the trainer's broadcast for one that refused. The check and the update are separate calls and nothing
+serializes weight-update calls across engines: an update that some engines applied and others refused (another
+caller changed an engine in between) raises WeightsOutOfStepError ("engines out of step"), not the refusal.
+A dead engine's EngineDeadError is never turned into a refusal. init_weight_transfer_engine likewise (`check_weight_transfer_init`
 on every engine, with its offset, before any worker joins the trainer's rendezvous).
 
 Invariants:
@@ -44,7 +47,10 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import AsyncMPClient
 from vllm.v1.engine.core_launch import EngineCoreHandle
-from vllm.v1.engine.weight_sync import JOIN, refusal_text, refused, transfer_init_refused
+from vllm.v1.engine import EngineStepError
+from vllm.v1.engine.core_client import EngineDeadError
+from vllm.v1.engine.weight_sync import (JOIN, WeightDrainError, WeightsOutOfStepError, refusal_text, refused,
+                                        transfer_init_refused)
 
 # The data-parallel rank the HTTP request being handled asked for (X-data-parallel-rank), for AsyncLLM.add_request
 # when its caller passes none; set by the server's routes (api_server.py) in the request's own task.
@@ -71,6 +77,24 @@ def check_data_parallel_rank(rank: Any, data_parallel_size: int,
         raise VLLMValidationError(f"{parameter} {rank} is out of range [0, {data_parallel_size}).",
                                   parameter=parameter, value=rank)
     return rank
+
+
+# collective_rpc methods never run on one engine alone (data_parallel_rank): sleep mode, whose state the frontend
+# keeps for all its engines together (one engine asleep makes the server answer 503 for all), and the weight-update
+# protocol's worker methods, which the engines agree on together (the workers refuse them by name anyway).
+ENGINE_WIDE_RPC_METHODS = frozenset({
+    "sleep", "wake_up", "init_weight_transfer_engine", "check_weight_transfer_init", "start_weight_update",
+    "update_weights", "check_weight_update", "discard_weight_update", "finish_weight_update",
+    "check_weights_from_disk", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
+
+
+def check_rpc_engine(method: Any, rank: int | None) -> None:
+    """VLLMValidationError when collective_rpc names one engine (`rank`) for a method of ENGINE_WIDE_RPC_METHODS."""
+    if rank is not None and isinstance(method, str) and method in ENGINE_WIDE_RPC_METHODS:
+        raise VLLMValidationError(
+            f"collective_rpc {method!r} cannot run on one data-parallel engine (data_parallel_rank / the "
+            f"{DATA_PARALLEL_RANK_HEADER} header): sleep mode and weight updates hold for every engine together. "
+            "Call it without naming an engine.", parameter="data_parallel_rank", value=rank)
 
 
 def parse_data_parallel_rank_header(value: str | None, data_parallel_size: int) -> int | None:
@@ -193,18 +217,46 @@ class DPLBAsyncMPClient(AsyncMPClient):
         """The call on every engine core; one combined result (module docstring)."""
         if method == "update_weights":
             await self._agree_on_update(*args, **kwargs)
-        elif method == "init_weight_transfer_engine":
+            return await self._update_every_engine(args, kwargs)
+        if method == "init_weight_transfer_engine":
             await self._agree_on_transfer_init(args, kwargs)
         return _combine(method, await self._on_every_engine(method, args, kwargs))
 
-    async def _on_every_engine(self, method: str, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+    async def _outcomes(self, method: str, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+        """Every engine's result or exception, in rank order, once all answered."""
         calls = [self.call_engine_async(e, method, *self._engine_args(method, args, kwargs, e))
                  for e in range(self.data_parallel_size)]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    async def _on_every_engine(self, method: str, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+        results = await self._outcomes(method, args, kwargs)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return results
+
+    async def _update_every_engine(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """update_weights on every engine (after the agreement). Some engines applied it and others did not (an
+        engine changed by another caller between the check and the update: the calls are not serialized across
+        engines) -> WeightsOutOfStepError; every engine failed -> the lowest rank's error; a dead engine's
+        EngineDeadError first."""
+        results = await self._outcomes("update_weights", args, kwargs)
+        errors = [(e, r) for e, r in enumerate(results) if isinstance(r, BaseException)]
+        if not errors:
+            return None
+        for _, error in errors:
+            if isinstance(error, (EngineDeadError, EngineStepError)):
+                raise error
+        if len(errors) == len(results):
+            raise errors[0][1]
+        applied = ", ".join(str(e) for e, r in enumerate(results) if not isinstance(r, BaseException))
+        failed = "; ".join(f"engine {e}: {type(r).__name__}: {r}" for e, r in errors)
+        raise WeightsOutOfStepError(
+            f"Data-parallel engines out of step: the weight update was applied by engine(s) {applied} but not by "
+            f"{len(errors)} of {len(results)} engines ({failed}), so the engines now serve different weights. "
+            "Weight-update calls from several callers are not serialized across engines. Restart the server, or "
+            "send a complete update of every weight to every engine again (finish_weight_update, "
+            "start_weight_update, update_weights).") from errors[0][1]
 
     async def _agree_on_transfer_init(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """Return when every engine's workers would join the trainer's group (each with its rank offset); else
@@ -222,15 +274,27 @@ class DPLBAsyncMPClient(AsyncMPClient):
         problems = [(e, problem) for e, (problem, _) in enumerate(verdicts) if problem is not None]
         if not problems:
             return
-        drained: bool | BaseException = False
+        drained: bool | WeightDrainError = False
         if all(receivable for _, receivable in verdicts):
             try:
-                await self._on_every_engine("discard_weight_update", (update_info,), {})
+                await self._drop_on_every_engine(update_info)
                 drained = True
-            except Exception as e:
+            except WeightDrainError as e:
                 drained = e
         raise refused(refusal_text(problems, self.data_parallel_size, "data-parallel engine"),
-                      self.weight_transfer_backend, drained)
+                      self.weight_transfer_backend, drained) from (drained if isinstance(drained, BaseException)
+                                                                   else None)
+
+    async def _drop_on_every_engine(self, update_info: Any) -> None:
+        """Every engine receives the refused update and drops it; WeightDrainError naming the engines where that
+        failed; any other error (EngineDeadError, ...) as it is, the lowest rank's."""
+        results = await self._outcomes("discard_weight_update", (update_info,), {})
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, WeightDrainError):
+                raise result
+        failed = [(e, r) for e, r in enumerate(results) if isinstance(r, WeightDrainError)]
+        if failed:
+            raise WeightDrainError("; ".join(f"engine {e}: {r}" for e, r in failed)) from failed[0][1]
 
     def _engine_args(self, method: str, args: tuple, kwargs: dict[str, Any],
                      engine: int) -> tuple[tuple, dict[str, Any]]:

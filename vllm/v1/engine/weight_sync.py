@@ -24,8 +24,10 @@ worker: a rank that refuses while the others enter it leaves them, and the train
 its weights awake, its group joined) without moving a byte, and only when every rank accepts does any rank
 receive. A refused update is then received and dropped by every rank (`discard_weight_update`) when every rank
 can (its layout parses and every rank joined the group), so the trainer's send completes and the group stays in
-step; the call raises the refusal (VLLMValidationError, HTTP 400) with what happened to the trainer's bytes. The
-data-parallel client (dp_client.py) makes the engines agree the same way through the engine core's
+step; the call raises the refusal (VLLMValidationError, HTTP 400) with what happened to the trainer's bytes. A
+drop that fails on some rank raises WeightDrainError, the one error the refusal's caller catches around it (no
+weight changed; the group may be out of step); a worker that dies meanwhile is EngineDeadError, which goes up as it
+is, never as a refusal. The data-parallel client (dp_client.py) makes the engines agree the same way through the engine core's
 `check_weight_update` / `discard_weight_update`. Joining the trainer's group (`init_weight_transfer_engine`, a
 rendezvous of every worker) is agreed likewise: every rank checks the init_info (its keys, its own place in the
 group) before any rank joins (`init_transfer_all_or_none`; the engine core's `check_weight_transfer_init` for
@@ -38,13 +40,21 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine import EngineStepError
+from vllm.v1.engine.core_client import EngineDeadError
 
 if TYPE_CHECKING:  # NOTE: the frontend's DP client imports this module; it loads no worker code
     from vllm.v1.executor.abstract import Executor
 
 
 class WeightsOutOfStepError(EngineStepError):
-    """A weight change failed on some tensor-parallel ranks only, or midway: the ranks' weights may differ."""
+    """A weight change failed on some tensor-parallel ranks only, or midway (or, raised by the data-parallel
+    client, was applied by some engines only): the ranks' or engines' weights may differ."""
+
+
+class WeightDrainError(RuntimeError):
+    """Receiving a refused update from the trainer's group to drop it failed on some rank or engine: no weight
+    changed, but the group may be out of step with the trainer. Raised by the drop alone, so that catching it
+    catches nothing else (EngineDeadError, EngineStepError)."""
 
 
 def run_weight_change(executor: Executor, method: str, *args: Any) -> None:
@@ -93,12 +103,16 @@ def refusal_text(problems: list[tuple[int, str]], num_parts: int, part: str, wha
 
 
 def discard_weight_update(executor: Executor, update_info: Any) -> None:
-    """Every rank receives the refused update from the trainer's group and drops it; RuntimeError naming the
-    ranks where that failed (no weight changed anywhere)."""
+    """Every rank receives the refused update from the trainer's group and drops it; WeightDrainError naming the
+    ranks where that failed (no weight changed anywhere). A dead worker's EngineDeadError, or an EngineStepError,
+    is raised as it is."""
     outcomes = executor.run_workers_outcomes("discard_weight_update", update_info)
+    for ok, e in outcomes:
+        if not ok and isinstance(e, (EngineDeadError, EngineStepError)):
+            raise e
     errors = [f"rank {rank}: {type(e).__name__}: {e}" for rank, (ok, e) in enumerate(outcomes) if not ok]
     if errors:
-        raise RuntimeError("; ".join(errors))
+        raise WeightDrainError("; ".join(errors))
 
 
 def refused(problem: str, backend: str, drained: bool | BaseException) -> VLLMValidationError:
@@ -134,14 +148,22 @@ def update_weights_all_or_none(executor: Executor, update_info: Any) -> None:
     if problem is None:
         run_weight_change(executor, "update_weights", update_info)
         return
-    drained: bool | BaseException = False
+    drained: bool | WeightDrainError = False
     if receivable:
         try:
             discard_weight_update(executor, update_info)
             drained = True
-        except RuntimeError as e:
+        except WeightDrainError as e:
             drained = e
-    raise refused(problem, transfer_backend(executor), drained)
+    raise refused(problem, transfer_backend(executor), drained) from (drained if isinstance(drained, BaseException)
+                                                                     else None)
+
+
+def no_update_in_progress(executor: Executor) -> VLLMValidationError:
+    """update_weights outside start_weight_update / finish_weight_update: a refusal like any other (nothing of
+    the update is received)."""
+    return refused("No weight update is in progress: call start_weight_update first.", transfer_backend(executor),
+                   False)
 
 
 JOIN = "Joining the trainer's weight-transfer group"
