@@ -143,6 +143,10 @@ def test_two_engine_cores_each_with_its_rank(server: RemoteServer) -> None:
             {"results": [[0, 2]]}
         resp = http.post("/collective_rpc", json={"method": "probe_tick"}, headers={HEADER: "2"})
         assert resp.status_code == 400 and "X-data-parallel-rank 2 is out of range" in resp.text
+        # One engine asleep would make the server answer 503 for all: sleep with the header is a 400.
+        resp = http.post("/collective_rpc", json={"method": "sleep"}, headers={HEADER: "1"})
+        assert resp.status_code == 400 and "collective_rpc 'sleep' cannot run on one data-parallel" in resp.text
+        assert http.get("/health").status_code == 200
         assert http.get("/get_world_size").json() == {"world_size": 2}
         assert http.get("/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
         text = http.get("/metrics").text
