@@ -1,7 +1,8 @@
 """The data-parallel client (DPLBAsyncMPClient) against two fake engine cores in child processes: each request
 reaches exactly one engine (the least loaded, or the rank it names), aborts reach the engine that holds the
 request, utility calls reach every engine and combine as documented (dp_client.py), the NCCL ranks are offset per
-engine, and an engine that dies makes the client dead, naming its rank. The fakes answer with their own rank
+engine, weight updates are agreed (a dead engine during the drop is EngineDeadError; an update some engines applied
+is WeightsOutOfStepError), and an engine that dies makes the client dead, naming its rank. The fakes answer with their own rank
 (read from the config copy the launcher gave them), which is the reference for every routing check."""
 
 from __future__ import annotations

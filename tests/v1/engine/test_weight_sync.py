@@ -4,9 +4,9 @@ serves on; any other mix with several ranks -> WeightsOutOfStepError (fatal, an 
 own error as it is. update_weights_all_or_none agrees before any rank receives (hand-worked call sequences): every
 rank accepts -> check, then update; any rank refuses -> no rank's update_weights runs, every rank drops the
 trainer's bytes when every rank can receive them, and the refusal (VLLMValidationError) says which ranks refused
-and what became of the trainer's bytes; a drop that fails is a WeightDrainError inside that refusal, but a worker that dies
-during the drop is EngineDeadError, never a refusal. init_transfer_all_or_none: no rank joins the trainer's group unless every
-rank's check passed."""
+and what became of the trainer's bytes; a drop that fails is a WeightDrainError inside that refusal, but a worker
+that dies during the drop is EngineDeadError, never a refusal; update_weights outside an update is that refusal too.
+init_transfer_all_or_none: no rank joins the trainer's group unless every rank's check passed."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ the update on all its ranks (`check_weight_update`), and only when all accept do
 every engine drops it (`discard_weight_update`, when all can) and the call raises the refusal, so no engine waits
 in the trainer's broadcast for one that refused. The check and the update are separate calls and nothing
 serializes weight-update calls across engines: an update that some engines applied and others refused (another
-caller changed an engine in between) raises WeightsOutOfStepError ("engines out of step"), not the refusal.
-A dead engine's EngineDeadError is never turned into a refusal. init_weight_transfer_engine likewise (`check_weight_transfer_init`
-on every engine, with its offset, before any worker joins the trainer's rendezvous).
+caller changed an engine in between) raises WeightsOutOfStepError ("engines out of step"), not the refusal. A dead
+engine's EngineDeadError is never turned into a refusal. init_weight_transfer_engine is agreed likewise
+(`check_weight_transfer_init` on every engine, with its offset, before any worker joins the trainer's rendezvous).
 
 Invariants:
 - `reqs_in_flight` holds exactly the requests this client sent and has not seen finish (a finished output, an
@@ -44,11 +44,9 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
-from vllm.v1.engine.core_client import AsyncMPClient
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineStepError
+from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
 from vllm.v1.engine.core_launch import EngineCoreHandle
-from vllm.v1.engine import EngineStepError
-from vllm.v1.engine.core_client import EngineDeadError
 from vllm.v1.engine.weight_sync import (JOIN, WeightDrainError, WeightsOutOfStepError, refusal_text, refused,
                                         transfer_init_refused)
 

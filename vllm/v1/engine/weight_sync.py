@@ -26,12 +26,12 @@ receive. A refused update is then received and dropped by every rank (`discard_w
 can (its layout parses and every rank joined the group), so the trainer's send completes and the group stays in
 step; the call raises the refusal (VLLMValidationError, HTTP 400) with what happened to the trainer's bytes. A
 drop that fails on some rank raises WeightDrainError, the one error the refusal's caller catches around it (no
-weight changed; the group may be out of step); a worker that dies meanwhile is EngineDeadError, which goes up as it
-is, never as a refusal. The data-parallel client (dp_client.py) makes the engines agree the same way through the engine core's
-`check_weight_update` / `discard_weight_update`. Joining the trainer's group (`init_weight_transfer_engine`, a
-rendezvous of every worker) is agreed likewise: every rank checks the init_info (its keys, its own place in the
-group) before any rank joins (`init_transfer_all_or_none`; the engine core's `check_weight_transfer_init` for
-the data-parallel client).
+weight changed; the group may be out of step); a worker that dies meanwhile is EngineDeadError, which goes up as
+it is, never as a refusal. The data-parallel client (dp_client.py) makes the engines agree the same way through
+the engine core's `check_weight_update` / `discard_weight_update`. Joining the trainer's group
+(`init_weight_transfer_engine`, a rendezvous of every worker) is agreed likewise: every rank checks the init_info
+(its keys, its own place in the group) before any rank joins (`init_transfer_all_or_none`; the engine core's
+`check_weight_transfer_init` for the data-parallel client).
 """
 
 from __future__ import annotations
