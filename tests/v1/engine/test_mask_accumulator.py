@@ -197,3 +197,56 @@ def test_staging_slot_free_once_compacted() -> None:
     assert not slot.in_use()
     slot.copy(torch.full((60,), -1, dtype=torch.int32), "ids")  # a later step reuses the slot
     check(acc.take(keep=False), steps.rows)
+
+
+def test_long_request_next_to_short_ones_through_the_output_processor() -> None:
+    """The issue's case, through the OutputProcessor: each step's masks are views of one step array holding every
+    running request's rows; short requests come and go next to a long cumulative one. Every output's masks equal
+    the reference rows, and once the long one has run 3K + 5 steps at most K - 1 step arrays are alive."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    def request(req_id: str, kind: RequestOutputKind) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id=req_id, prompt_token_ids=[5], eos_token_id=None,
+                                 sampling_params=SamplingParams(output_kind=kind, detokenize=False))
+
+    proc = OutputProcessor(None, log_stats=False)
+    proc.add_request(request("long", RequestOutputKind.CUMULATIVE), prompt=None)
+    rng = np.random.default_rng(13)
+    rows: dict[str, list[np.ndarray]] = {"long": []}
+    short_length: dict[str, int] = {}
+    arrays: list[weakref.ref] = []
+    outputs = []
+    n = 3 * K + 5
+    for step in range(n):
+        if step % 3 == 0:  # a short request joins (FINAL_ONLY: its masks held until it ends)
+            sid = f"short{step}"
+            proc.add_request(request(sid, RequestOutputKind.FINAL_ONLY), prompt=None)
+            rows[sid], short_length[sid] = [], int(rng.integers(1, 5))
+        running = [r for r in rows if r in proc.request_states]
+        step_rows = {r: np.sort(rng.choice(1000, int(rng.integers(1, 30)), replace=False)).astype(np.int32)
+                     for r in running}
+        step_ids = np.concatenate(list(step_rows.values()))
+        arrays.append(weakref.ref(step_ids))
+        start, outs = 0, []
+        for r, row in step_rows.items():
+            rows[r].append(row)
+            view = step_ids[start:start + len(row)]
+            start += len(row)
+            done = r == "long" and step == n - 1 or r != "long" and len(rows[r]) == short_length[r]
+            outs.append(EngineCoreOutput(r, [int(row[0])], None, SamplingMaskLists(view, None),
+                                         finish_reason=FinishReason.LENGTH if done else None))
+        del step_ids
+        for out in proc.process_outputs(outs).request_outputs:
+            mask = out.outputs[0].sampling_mask
+            if out.request_id == "long":
+                outputs.append(mask)
+            else:
+                check(mask, rows[out.request_id])
+    gc.collect()
+    alive = [i for i, ref in enumerate(arrays) if ref() is not None]
+    assert len(alive) < K and alive == list(range(n - len(alive), n))
+    assert len(outputs) == n
+    for t, mask in enumerate(outputs):
+        check(mask, rows["long"][:t + 1])

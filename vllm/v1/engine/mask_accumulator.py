@@ -53,7 +53,7 @@ def _first_compaction() -> int:
     requests (round robin).
 
     NOTE: a batch's requests start together; with K each they would all compact in the same step, 1024 copies
-    into fresh memory at once (~0.13 s of page faults on the development machine) every K steps, and the step
+    into fresh memory at once (~0.1 s of page faults on the development machine) every K steps, and the step
     arrays the copies free would come back only after them. Spread, each step compacts ~1/K of the requests. At
     least K/2: a streamed (DELTA) request hands its pieces over every step and is never copied."""
     half = MaskAccumulator.COMPACT_PIECES // 2
@@ -62,8 +62,10 @@ def _first_compaction() -> int:
 
 class MaskAccumulator:
     # NOTE: K, the id pieces kept as views before they are compacted into one array of the request's own: the
-    # bound on the step arrays a request keeps alive. 64 rows of ~500 ids are one ~128 KB copy per 64 tokens, a few
-    # us per token at most, against the ~2 KB of a step array's other rows each view keeps alive otherwise.
+    # bound on the step arrays a request keeps alive (each ~2 MB at 1024 rows of ~500 ids). Every id is copied
+    # once whatever K; K sets the number of copies (1024 / K per 1024-row step) and the bound. 64: one ~128 KB
+    # copy per request per 64 tokens; 4 (few enough that the lending staging slots come back) cost no less on the
+    # development machine (tools/profiling/mask_retention.py: 256 small copies per step).
     COMPACT_PIECES = 64
 
     __slots__ = ("request_id", "started", "num", "id_rows", "ends", "num_ids", "num_compacted", "compact_len",
@@ -75,8 +77,8 @@ class MaskAccumulator:
         self.started = False
         self.num = 0
         # The ids (None: form not kept) as int32 pieces whose concatenation is every token's ids in order: the
-        # first `num_compacted` are arrays of their own (K pieces each, compacted), the rest views of the steps'
-        # arrays (one per step, or per token); and each token's end in the ids.
+        # first `num_compacted` are arrays of their own (each the pieces of one compaction), the rest one per
+        # token, views of the steps' arrays; and each token's end in the ids.
         self.id_rows: list[np.ndarray] | None = None
         self.ends: list[int] | None = None
         self.num_ids = 0
