@@ -43,10 +43,9 @@ for s in $stages; do
       # NOTE: the host's single-thread Python speed: the A/B's mask arm depends on it (docs/benchmarks.md, eighth
       # session: hosts ~25% apart); best of five runs of a fixed loop.
       python3 -c "import timeit; print('python loop ms (best of 5):', round(1e3 * min(timeit.repeat('sum(i * i for i in range(1000000))', number=1, repeat=5)), 1))" ;;
-    cuda_tests)  # SHARD=i/n: the i-th of n parts (test files in turn), for a suite longer than one device call
-      # (the whole suite took more than 570 s on the H100, 2026-12-06); -v names each test as it ends.
-      files=$(find tests -name "test_*.py" | sort | awk -v s="${SHARD:-1/1}" 'BEGIN{split(s,a,"/")} (NR-1)%a[2]==a[1]-1')
-      python3 -m pytest -p no:cacheprovider -v -rfE --durations=15 $files 2>&1 \
+    cuda_tests)  # SHARD=i/n: the i-th of n parts (test files in turn, tests/conftest.py's TEST_SHARD), for a suite
+      # longer than one device call (the whole suite took more than 570 s on the H100, 2026-12-06); -v names each test.
+      TEST_SHARD=${SHARD:-} python3 -m pytest -p no:cacheprovider -v -rfE --durations=15 tests 2>&1 \
         | tee "$OUT/cuda_suite_full.txt" | grep -v -e PASSED -e SKIPPED | tail -40 | tee "$OUT/cuda_suite.txt" ;;
     tests) python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/v1/attention tests/v1/sample tests/models tests/v1/worker} 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
     kprof) python3 tools/profiling/gpu_kernel_profile.py ${KPROF_ARGS:-} --out "$OUT" 2>&1 | grep -v -e Warning -e USDT | tee "$OUT/kernel_profile.txt" ;;
@@ -89,10 +88,11 @@ for s in $stages; do
     offline_trees)  # offline throughput of each tree in $TREES (snapshots, e.g. .snap/1-main .snap/2-wip_x from
       # tools/snap_trees.sh; carry .snap), no mask then mask at 1024 requests, tree order A B .. then .. B A (~6 min
       # for two trees); each tree's own benchmark script and vllm; OFFLINE_FLAGS more benchmark_throughput flags
-      # (e.g. --async-engine: an AsyncLLM embedded in the benchmark's process instead of the LLM class)
+      # (e.g. --async-engine: an AsyncLLM embedded in the benchmark's process instead of the LLM class);
+      # OFFLINE_MASKS="0" runs the no-mask rows only (half the time)
       set -- ${TREES:?set TREES to the snapshot folders}
       order="$* $(printf '%s\n' "$@" | tac | tr '\n' ' ')"
-      for t in $order; do for m in 0 1; do
+      for t in $order; do for m in ${OFFLINE_MASKS:-0 1}; do
         flags=""; [ "$m" = 1 ] && flags="--return-sampling-mask"
         (cd "$t" && PYTHONPATH=/tmp/site:$PWD offline_run --num-prompts 1024 $flags ${OFFLINE_FLAGS:-} \
           | sed "s|^|$(basename "$t") mask=$m |" | tee -a "$OUT/offline_trees.txt")

@@ -5,7 +5,8 @@ tokens and masks, which each DP stream must equal whichever engine served it; th
 (`engine="i"`) count which engine served what; a worker-extension probe reports the rank each engine's config
 carries. Checked: 64 concurrent streams with masks (aligned, equal to the reference, both engines used), the
 X-data-parallel-rank header, pause / resume and a weight update from disk reaching both engines (outputs of each
-equal a fresh engine on the new checkpoint), collective_rpc with one result per engine, and a rank that dies
+equal a fresh engine on the new checkpoint), collective_rpc run by every engine and answered with engine 0's
+workers' results (vLLM's shape; the header names one engine), and a rank that dies
 taking the server down (in-flight streams end, non-zero exit) instead of hanging it."""
 
 from __future__ import annotations
@@ -132,9 +133,20 @@ def _stream_all(url: str, indices: list[int]) -> list[tuple[list[int], list[list
 def test_two_engine_cores_each_with_its_rank(server: RemoteServer) -> None:
     assert len(spawn_children(server)) == 2
     with httpx.Client(base_url=server.url, timeout=120) as http:
-        # One result per engine, in rank order: each engine's worker reports the rank its own config carries.
-        resp = http.post("/collective_rpc", json={"method": "probe_parallel"})
-        assert resp.status_code == 200 and resp.json() == {"results": [[0, 2], [1, 2]]}
+        # vLLM's shape: every engine runs the call, the results are engine 0's workers'. X-data-parallel-rank
+        # names one engine, which alone runs it: engine 1's count shows it ran the first call too.
+        resp = http.post("/collective_rpc", json={"method": "probe_tick"})
+        assert resp.status_code == 200 and resp.json() == {"results": [[0, 1]]}
+        assert http.post("/collective_rpc", json={"method": "probe_tick"}, headers={HEADER: "1"}).json() == \
+            {"results": [[1, 2]]}
+        assert http.post("/collective_rpc", json={"method": "probe_tick"}, headers={HEADER: "0"}).json() == \
+            {"results": [[0, 2]]}
+        resp = http.post("/collective_rpc", json={"method": "probe_tick"}, headers={HEADER: "2"})
+        assert resp.status_code == 400 and "X-data-parallel-rank 2 is out of range" in resp.text
+        # One engine asleep would make the server answer 503 for all: sleep with the header is a 400.
+        resp = http.post("/collective_rpc", json={"method": "sleep"}, headers={HEADER: "1"})
+        assert resp.status_code == 400 and "collective_rpc 'sleep' cannot run on one data-parallel" in resp.text
+        assert http.get("/health").status_code == 200
         assert http.get("/get_world_size").json() == {"world_size": 2}
         assert http.get("/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
         text = http.get("/metrics").text
@@ -267,7 +279,8 @@ def test_two_api_servers_each_reach_both_engines(group: RemoteServer, reference:
         assert result == reference["old"]["seeded"][i]
     for _ in range(4):
         with httpx.Client(base_url=group.url, timeout=120) as http:
-            assert http.post("/collective_rpc", json={"method": "probe_parallel"}).json() == \
-                {"results": [[0, 2], [1, 2]]}
+            assert http.post("/collective_rpc", json={"method": "probe_parallel"}).json() == {"results": [[0, 2]]}
+            assert http.post("/collective_rpc", json={"method": "probe_parallel"}, headers={HEADER: "1"}).json() == \
+                {"results": [[1, 2]]}
     group.proc.send_signal(signal.SIGTERM)
     assert group.proc.wait(60) == 0

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from vllm.config.model import default_model_path
-from vllm.entrypoints.openai import protocol
+from vllm.entrypoints.openai import protocol_base
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -187,7 +187,7 @@ def _old_text_body(reference: bytes) -> bytes:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_spliced_mask_text_body_equals_the_list_body(tok: Tokenizer, endpoint: str, seed: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "time", types.SimpleNamespace(time=lambda: 1_700_000_000.0))
+    monkeypatch.setattr(protocol_base, "time", types.SimpleNamespace(time=lambda: 1_700_000_000.0))
     spliced, plan = asyncio.run(_respond_to(endpoint, tok, "text", seed))
     reference, _ = asyncio.run(_respond_to(endpoint, tok, "ids", seed))
     assert isinstance(spliced, SplicedJSONResponse) and not isinstance(reference, SplicedJSONResponse)

@@ -7,7 +7,7 @@ engine core's real ones (frontend_step.engine_frames: `EngineCoreProc.send_outpu
 API server's share of `--num-reqs` running requests over `--clients` servers, masks as the device's JSON text);
 each request runs through the endpoint's real handler (`create_completion`, `create_chat_completion`,
 `generate`) over a stand-in engine whose `add_request` registers it with a real OutputProcessor, and its body is
-encoded as the server writes it (`api_server._respond`). Requests are non-streamed (FINAL_ONLY), logprobs=1,
+encoded as the server writes it (`http_responses.respond`). Requests are non-streamed (FINAL_ONLY), logprobs=1,
 `return_token_ids`, no tokenizer (`--skip-tokenizer-init`; chat's prompt ids are given).
 
     python tools/profiling/frontend_final.py --num-reqs 1024 --clients 4 --output-len 256 [--cprofile]
@@ -33,8 +33,10 @@ from typing import Any
 import numpy as np
 
 from frontend_step import engine_frames  # noqa: E402 (tools/profiling/ is the script's folder)
-from vllm.entrypoints.openai.api_server import _respond
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from vllm.entrypoints.openai.http_responses import respond
+from vllm.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from vllm.entrypoints.openai.protocol_completion import CompletionRequest
+from vllm.entrypoints.openai.protocol_generate import GenerateRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_generate import OpenAIServingGenerate
@@ -118,7 +120,7 @@ async def _run(endpoint: str, num_reqs: int, num_clients: int, mask: bool, outpu
     responses: list[Any] = []
 
     async def one() -> None:
-        responses.append(_respond(await make()))
+        responses.append(respond(await make()))
 
     tasks = [asyncio.create_task(one()) for _ in frame_ids]
     while engine.frame_ids:  # every handler has added its request

@@ -142,7 +142,7 @@ def serve(argv: list[str]) -> int:
     VLLM_SERVE_ARGS...`."""
     import logging
     from vllm.entrypoints.cli.main import make_parser
-    from vllm.entrypoints.openai import api_server
+    from vllm.entrypoints.openai import api_server_group
     from vllm.v1.engine import core_launch
 
     split = argv.index("--")
@@ -157,8 +157,9 @@ def serve(argv: list[str]) -> int:
                                 mask_size=ours.mask_size)
     # NOTE: run_api_servers launches its cores through this module attribute; any --api-server-count (1 too) takes
     # that path, so every arm's servers are separate processes, as with 4 on the GPU machine.
-    api_server.launch_engine_cores = functools.partial(core_launch.launch_engine_cores, engine_core_factory=factory)
-    return api_server.run_api_servers(args)
+    api_server_group.launch_engine_cores = functools.partial(core_launch.launch_engine_cores,
+                                                             engine_core_factory=factory)
+    return api_server_group.run_api_servers(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import numpy as np
 
 from host_step import _runner_output, _vllm_config  # noqa: E402 (tools/profiling/ is the script's folder)
 from vllm.v1.serving_gc import freeze_startup_heap
-from vllm.entrypoints.openai.protocol import CompletionRequest
+from vllm.entrypoints.openai.protocol_completion import CompletionRequest
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import sse, stream_errors
 from vllm.sampling_params import RequestOutputKind, SamplingParams

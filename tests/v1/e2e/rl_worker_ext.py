@@ -45,6 +45,11 @@ class ProbeExtension:
         time.sleep(seconds)
         return seconds
 
+    def probe_tick(self) -> list[int]:
+        """Counts this worker's calls: [its engine's data-parallel rank, how many times it ran probe_tick]."""
+        self.probe_ticks = getattr(self, "probe_ticks", 0) + 1
+        return [self.parallel_config.data_parallel_rank, self.probe_ticks]  # type: ignore[attr-defined]
+
 
 class ClashingExtension:
     def update_weights(self, update_info: Any) -> None:  # the worker has one
@@ -121,6 +126,26 @@ def refuse_disk_check_on_rank1(worker: Any) -> int:
 
 def restore_disk_check(worker: Any) -> None:
     worker.weight_updater.__dict__.pop("check_disk", None)
+
+
+def refuse_update_check_on_rank1(worker: Any) -> int:
+    """Rank 1 alone refuses every update_weights at its check (its model differs, as a rank's could)."""
+    if worker.rank == 1:
+        def refuse(names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]]) -> None:
+            raise ValueError("Weight update refused, no weight was changed: (test: rank 1 refuses)")
+        worker.weight_updater.check = refuse
+    return worker.rank
+
+
+def refuse_update_check(worker: Any) -> None:
+    """This worker refuses every update_weights at its check (sent to one data-parallel engine by name)."""
+    def refuse(names: list[str], dtype_names: list[str], shapes: list[tuple[int, ...]]) -> None:
+        raise ValueError("Weight update refused, no weight was changed: (test: this engine refuses)")
+    worker.weight_updater.check = refuse
+
+
+def restore_update_check(worker: Any) -> None:
+    worker.weight_updater.__dict__.pop("check", None)
 
 
 def break_disk_load_on_rank1(worker: Any) -> int:

@@ -323,8 +323,9 @@ def test_worker_start_up_failure_fails_the_engine_start() -> None:
 
 
 def test_data_parallel_engines_of_two_ranks_each(reference: dict[str, Outputs]) -> None:
-    """DP=2 x TP=2 (AsyncLLM): each engine core has its own tensor-parallel world; collective_rpc reaches the four
-    workers (engine by engine, rank by rank), and a seeded request with masks on either engine equals TP=1's."""
+    """DP=2 x TP=2 (AsyncLLM): each engine core has its own tensor-parallel world; collective_rpc runs on the four
+    workers and answers with engine 0's two (vLLM's shape), engine 1's when data_parallel_rank=1 names it; a seeded
+    request with masks on either engine equals TP=1's."""
     import asyncio
 
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -333,7 +334,8 @@ def test_data_parallel_engines_of_two_ranks_each(reference: dict[str, Outputs]) 
     async def run() -> None:
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**ENGINE, tensor_parallel_size=2, data_parallel_size=2))
         try:
-            assert await engine.collective_rpc(dp_and_tp_rank) == [[0, 0], [0, 1], [1, 0], [1, 1]]
+            assert await engine.collective_rpc(dp_and_tp_rank) == [[0, 0], [0, 1]]
+            assert await engine.collective_rpc(dp_and_tp_rank, data_parallel_rank=1) == [[1, 0], [1, 1]]
             want = reference["old"][len(PROMPTS)]  # the first prompt's seeded tokens and masks
             for rank in (0, 1):
                 final = [o async for o in engine.generate(PROMPTS[0], SEEDED, f"r{rank}",

@@ -1,6 +1,7 @@
 """AsyncLLM with data_parallel_size=2 on the bundled model (two engine-core processes): generate's
 data_parallel_rank picks the engine (its metrics count the tokens), a rank out of range is a
-VLLMValidationError before anything is sent, collective_rpc answers once per engine with that engine's own rank,
+VLLMValidationError before anything is sent, collective_rpc answers with engine 0's workers' results (vLLM's
+shape) and with engine 1's when data_parallel_rank=1 names it (refused for sleep / wake_up / weight updates),
 the same seeded request gives the same tokens on either engine, and killing one engine makes a running generate,
 new requests and check_health raise EngineDeadError instead of waiting."""
 
@@ -50,7 +51,16 @@ def test_async_llm_over_two_engine_cores() -> None:
             with pytest.raises(VLLMValidationError, match=r"data_parallel_rank 2 is out of range \[0, 2\)"):
                 await engine.add_request("bad", PROMPT, params, data_parallel_rank=2)
             assert "bad" not in engine.output_processor.request_states
-            assert await engine.collective_rpc(_rank_of_worker) == [[0, 2], [1, 2]]
+            # vLLM's shape: engine 0's workers' results (every engine ran it); data_parallel_rank picks one engine.
+            assert await engine.collective_rpc(_rank_of_worker) == [[0, 2]]
+            assert await engine.collective_rpc(_rank_of_worker, data_parallel_rank=1) == [[1, 2]]
+            with pytest.raises(VLLMValidationError, match=r"data_parallel_rank 2 is out of range"):
+                await engine.collective_rpc(_rank_of_worker, data_parallel_rank=2)
+            # Sleep mode and weight updates hold for every engine together: never sent to one engine alone.
+            for method in ("sleep", "wake_up", "update_weights"):
+                with pytest.raises(VLLMValidationError, match=rf"collective_rpc '{method}' cannot run on one"):
+                    await engine.collective_rpc(method, data_parallel_rank=1)
+            assert not await engine.is_sleeping()
             await engine.pause_generation(mode="keep")
             assert await engine.is_paused()
             await engine.resume_generation()

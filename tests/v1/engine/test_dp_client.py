@@ -1,7 +1,8 @@
 """The data-parallel client (DPLBAsyncMPClient) against two fake engine cores in child processes: each request
 reaches exactly one engine (the least loaded, or the rank it names), aborts reach the engine that holds the
 request, utility calls reach every engine and combine as documented (dp_client.py), the NCCL ranks are offset per
-engine, and an engine that dies makes the client dead, naming its rank. The fakes answer with their own rank
+engine, weight updates are agreed (a dead engine during the drop is EngineDeadError; an update some engines applied
+is WeightsOutOfStepError), and an engine that dies makes the client dead, naming its rank. The fakes answer with their own rank
 (read from the config copy the launcher gave them), which is the reference for every routing check."""
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, SchedulerStats
 from vllm.v1.engine.core_client import EngineDeadError, make_async_client
 from vllm.v1.engine.core_launch import device_env, engine_config, launch_engine_cores
-from vllm.v1.engine.dp_client import DPLBAsyncMPClient, check_data_parallel_rank, parse_data_parallel_rank_header
+from vllm.v1.engine.dp_client import (ENGINE_WIDE_RPC_METHODS, DPLBAsyncMPClient, check_data_parallel_rank,
+                                      check_rpc_engine, parse_data_parallel_rank_header)
+from vllm.v1.engine.weight_sync import WeightDrainError, WeightsOutOfStepError
 
 TP = 2
 
@@ -30,7 +33,9 @@ class RankEchoEngineCore:
     finishes, any other stays in the engine silently (so an idle loop waits instead of spinning) until aborted."""
 
     UTILITY_METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "wake_up", "get_aborted",
-                                 "init_broadcaster", "get_broadcaster", "refuse_on_rank_one", "abort_all_requests"})
+                                 "init_broadcaster", "get_broadcaster", "refuse_on_rank_one", "abort_all_requests",
+                                 "check_weight_update", "discard_weight_update", "update_weights", "get_calls",
+                                 "check_weight_transfer_init", "init_weight_transfer_engine"})
 
     def __init__(self, vllm_config: Any) -> None:
         self.rank = vllm_config.parallel_config.data_parallel_rank
@@ -39,6 +44,7 @@ class RankEchoEngineCore:
         self.silent: dict[str, EngineCoreRequest] = {}
         self.aborted: list[str] = []
         self.broadcaster: int | None = None
+        self.calls: list[str] = []  # the collective_rpc and weight-update calls this engine ran, in order
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.pending[request.request_id] = request
@@ -62,7 +68,44 @@ class RankEchoEngineCore:
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=SchedulerStats(num_running_reqs=len(self.silent)))
 
     def collective_rpc(self, method: str, timeout: float | None, args: tuple, kwargs: Any) -> list[str]:
+        self.calls.append(f"rpc {method}")
         return [f"{method}@{self.rank}.{w}" for w in range(TP)]
+
+    # The weight-update agreement (core.py's verdict: refusal text or None, whether every rank can drop it):
+    # update_info {"refuse_on": [engine ranks], "receivable": bool} says what this fake answers.
+    def check_weight_update(self, update_info: dict[str, Any]) -> tuple[str | None, bool]:
+        self.calls.append("check")
+        refuses = self.rank in update_info["refuse_on"]
+        return (f"engine {self.rank} refuses" if refuses else None), update_info["receivable"]
+
+    # update_info {"drop_fails": {rank: "dead" | "drain"}}: what engine rank's drop raises (as core.py's would);
+    # {"update_refused_on": [ranks]}: those engines refuse at update_weights (changed by another caller since).
+    def discard_weight_update(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("discard")
+        fails = update_info.get("drop_fails", {}).get(self.rank)
+        if fails == "dead":
+            raise EngineDeadError(f"A tensor-parallel worker of engine {self.rank} failed")
+        if fails == "drain":
+            raise WeightDrainError(f"rank 0: RuntimeError: connection reset on engine {self.rank}")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("update")
+        if self.rank in update_info.get("update_refused_on", ()):
+            raise ValueError(f"No weight update is in progress on engine {self.rank}")
+
+    # Joining a trainer's group: TP workers of ranks rank_offset .. rank_offset + TP - 1 must fit in world_size.
+    def check_weight_transfer_init(self, init_info: dict[str, Any]) -> str | None:
+        self.calls.append(f"check init {init_info['rank_offset']}")
+        if init_info["rank_offset"] + TP > init_info["world_size"]:
+            return f"ranks from {init_info['rank_offset']} do not fit"
+        return None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append(f"init {init_info['rank_offset']}")
+
+    def get_calls(self) -> list[str]:
+        calls, self.calls = self.calls, []
+        return calls
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         return self.rank == 0
@@ -192,8 +235,9 @@ def test_utility_calls_reach_every_engine_and_combine() -> None:
         client = _client()
         reader = Reader(client)
         try:
-            assert await client.call_utility_async("collective_rpc", "echo", None, (), None) == \
-                ["echo@0.0", "echo@0.1", "echo@1.0", "echo@1.1"]
+            # vLLM's DP client: every engine runs it, the result is engine 0's workers' (one per TP rank).
+            assert await client.call_utility_async("collective_rpc", "echo", None, (), None) == ["echo@0.0", "echo@0.1"]
+            assert [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)] == [["rpc echo"]] * 2
             assert await client.call_utility_async("reset_prefix_cache", False, False) is False
             assert await client.call_utility_async("wake_up", None) is False
             for i in range(3):
@@ -211,6 +255,133 @@ def test_utility_calls_reach_every_engine_and_combine() -> None:
                 await client.call_utility_async("refuse_on_rank_one")
             with pytest.raises(ValueError, match="Unknown engine-core utility"):
                 await client.call_utility_async("no_such_call")
+        finally:
+            reader.task.cancel()
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("refuse_on, receivable, want", [
+    ([], True, [["check", "update"], ["check", "update"]]),
+    ([1], True, [["check", "discard"], ["check", "discard"]]),       # every engine drops the trainer's bytes
+    ([0, 1], True, [["check", "discard"], ["check", "discard"]]),
+    ([1], False, [["check"], ["check"]]),                              # not every engine can receive: none tries
+])
+def test_update_weights_is_agreed_by_every_engine_first(refuse_on: list[int], receivable: bool,
+                                                        want: list[list[str]]) -> None:
+    """No engine receives an update (a collective with the trainer) unless every engine accepted it; a refusal by
+    any engine is dropped by all of them when all can, and raised (weight_sync.py)."""
+    async def run() -> None:
+        client = _client()
+        reader = Reader(client)
+        try:
+            info = {"refuse_on": refuse_on, "receivable": receivable}
+            if not refuse_on:
+                assert await client.call_utility_async("update_weights", info) is None
+            else:
+                refusal = "engine 1 refuses" if refuse_on == [1] else "engine 0 refuses"
+                note = "dropped it" if receivable else "Nothing of this update was received"
+                with pytest.raises(VLLMValidationError, match=rf"{refusal}.*{note}"):
+                    await client.call_utility_async("update_weights", info)
+            assert [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)] == want
+        finally:
+            reader.task.cancel()
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("drop_fails, want", [
+    ({1: "dead"}, EngineDeadError),        # an engine dies during the drop: its death, not a refusal
+    ({0: "drain", 1: "dead"}, EngineDeadError),
+    ({1: "drain"}, VLLMValidationError),   # the drop failed: still the refusal, saying so
+])
+def test_a_failed_drop_on_some_engine(drop_fails: dict[int, str], want: type) -> None:
+    async def run() -> None:
+        client = _client()
+        reader = Reader(client)
+        try:
+            info = {"refuse_on": [0], "receivable": True, "drop_fails": drop_fails}
+            with pytest.raises(want) as caught:
+                await client.call_utility_async("update_weights", info)
+            if want is EngineDeadError:
+                assert "engine 1 failed" in str(caught.value) and not isinstance(caught.value, ValueError)
+            else:
+                assert "engine 0 refuses" in str(caught.value)
+                assert ("to drop it failed (engine 1: rank 0: RuntimeError: connection reset on engine 1); no "
+                        "weight changed") in str(caught.value)
+                assert isinstance(caught.value.__cause__, WeightDrainError)
+            assert [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)] == \
+                [["check", "discard"]] * 2
+        finally:
+            reader.task.cancel()
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("refused_on", [[1], [0], [0, 1]])
+def test_an_update_some_engines_applied_is_engines_out_of_step(refused_on: list[int]) -> None:
+    """Every engine accepted at the check, then some refused at the update (another caller changed them in
+    between): engines that applied it and engines that did not -> WeightsOutOfStepError naming both, not the
+    refusal's 'no weight changed'; every engine refusing -> the lowest rank's refusal."""
+    async def run() -> None:
+        client = _client()
+        reader = Reader(client)
+        try:
+            info = {"refuse_on": [], "receivable": True, "update_refused_on": refused_on}
+            if len(refused_on) == 2:
+                with pytest.raises(ValueError, match="^No weight update is in progress on engine 0$"):
+                    await client.call_utility_async("update_weights", info)
+            else:
+                applied, refused = 1 - refused_on[0], refused_on[0]
+                with pytest.raises(WeightsOutOfStepError, match=rf"engines out of step: the weight update was "
+                                   rf"applied by engine\(s\) {applied} but not by 1 of 2 engines \(engine "
+                                   rf"{refused}: ValueError: No weight update is in progress on engine {refused}\)"):
+                    await client.call_utility_async("update_weights", info)
+            assert [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)] == \
+                [["check", "update"]] * 2
+        finally:
+            reader.task.cancel()
+            client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_engine_wide_methods_cannot_name_one_engine() -> None:
+    """sleep / wake_up and the weight-update methods with data_parallel_rank: refused, naming the method; without
+    it, or another method with it, nothing is refused."""
+    from vllm.v1.worker.worker import ENGINE_ONLY_METHODS
+    for method in ("sleep", "wake_up", "update_weights", "start_weight_update", "load_weights_from_disk"):
+        with pytest.raises(VLLMValidationError, match=rf"collective_rpc '{method}' cannot run on one data-parallel "
+                                                      r"engine") as info:
+            check_rpc_engine(method, 1)
+        assert info.value.parameter == "data_parallel_rank"
+        check_rpc_engine(method, None)
+    check_rpc_engine("probe_parallel", 0)
+    check_rpc_engine(len, 0)
+    # Every weight method the workers keep for the engine is in the list.
+    weight_methods = {m for m in ENGINE_ONLY_METHODS if "weight" in m or "broadcast" in m}
+    assert weight_methods and weight_methods <= ENGINE_WIDE_RPC_METHODS
+
+
+def test_joining_the_trainers_group_is_agreed_by_every_engine_first() -> None:
+    """Engine i's workers take ranks after the lower engines'; a world_size too small for engine 1 is refused
+    before engine 0 joins (it would wait in the rendezvous for workers that never come)."""
+    async def run() -> None:
+        client = _client()
+        reader = Reader(client)
+        try:
+            async def calls() -> list[list[str]]:
+                return [await client.call_engine_async(e, "get_calls", (), {}) for e in range(2)]
+
+            with pytest.raises(VLLMValidationError, match=r"refused by 1 of 2 data-parallel engines.*engine 1: "
+                                                          r"ranks from 3 do not fit.*No worker joined"):
+                await client.call_utility_async("init_weight_transfer_engine", {"rank_offset": 1, "world_size": 3})
+            assert await calls() == [["check init 1"], ["check init 3"]]
+            await client.call_utility_async("init_weight_transfer_engine", {"rank_offset": 1, "world_size": 5})
+            assert await calls() == [["check init 1", "init 1"], ["check init 3", "init 3"]]
         finally:
             reader.task.cancel()
             client.shutdown()

@@ -106,11 +106,21 @@ class NCCLWeightTransferEngine(WeightTransferEngine):
         super().__init__(config, device, rank)
         self.model_update_group: WeightTransferGroup | None = None
 
-    def _init_transfer(self, init_info: NCCLWeightTransferInitInfo) -> None:
+    def parse_init_info(self, init_info: dict[str, Any]) -> NCCLWeightTransferInitInfo:
+        """The typed init_info, this worker's place in the group checked too (so a check alone finds it)."""
+        info = super().parse_init_info(init_info)
+        self._group_rank(info)  # type: ignore[arg-type]
+        return info  # type: ignore[return-value]
+
+    def _group_rank(self, init_info: NCCLWeightTransferInitInfo) -> int:
         rank = init_info.rank_offset + self.rank
         if rank >= init_info.world_size:
             raise ValueError(f"init_info.rank_offset ({init_info.rank_offset}) + this worker's rank ({self.rank}) "
                              f"must be below init_info.world_size ({init_info.world_size}).")
+        return rank
+
+    def _init_transfer(self, init_info: NCCLWeightTransferInitInfo) -> None:
+        rank = self._group_rank(init_info)
         self.shutdown()
         self.model_update_group = WeightTransferGroup(init_info.master_address, init_info.master_port, rank,
                                                       init_info.world_size, self.device)

@@ -42,7 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from vllm.entrypoints.openai.api_server import loop_factory, run_api_servers, run_server
+    from vllm.entrypoints.openai.api_server_group import run_api_servers
+    from vllm.entrypoints.openai.server import loop_factory, run_server
     from vllm.entrypoints.openai.cli_args import check_frontend_args
     from vllm.v1.engine.core_launch import device_env
     try:

@@ -17,10 +17,11 @@ whichever API server (--api-server-count) receives it.
   {"weight_dir": dir} (a whole update from that folder) or {"weight_dir": null} (from the broadcaster) ->
   {"status": "ok"}; GET /liveness (503 once the engine core died).
 - POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]} (504 after
-  timeout).
+  timeout); with data parallel every engine runs it and the results are engine 0's workers' (vLLM's), or, with
+  an X-data-parallel-rank header (not vLLM's), engine i alone runs it and answers with its workers' results.
 - Sleep mode (vLLM's, with --enable-sleep-mode): POST /sleep?level=1|2&mode=abort|wait|keep and POST
   /wake_up?tags=weights&tags=kv_cache (repeated query parameter; none: all) -> 200, empty body, as vLLM; GET
-  /is_sleeping -> {"is_sleeping": bool}. While asleep, generation requests get 503 (api_server.py).
+  /is_sleeping -> {"is_sleeping": bool}. While asleep, generation requests get 503 (http_errors.py).
 Bad input is a 400 with an OpenAI error body; a refused weight update changes no weight.
 """
 
@@ -35,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.serving_engine import error_body
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.dp_client import DATA_PARALLEL_RANK_HEADER, parse_data_parallel_rank_header
 
 
 async def _body(raw: Request) -> dict[str, Any]:
@@ -131,8 +133,11 @@ def attach_admin_router(app: FastAPI, engine: AsyncLLM) -> None:
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
                                     or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds or null, got {timeout!r}.")
+        rank = parse_data_parallel_rank_header(raw.headers.get(DATA_PARALLEL_RANK_HEADER),
+                                               engine.engine_core.data_parallel_size)
         try:
-            results = await engine.collective_rpc(method, timeout=timeout, args=tuple(args), kwargs=kwargs)
+            results = await engine.collective_rpc(method, timeout=timeout, args=tuple(args), kwargs=kwargs,
+                                                  data_parallel_rank=rank)
         except (TimeoutError, asyncio.TimeoutError):
             return _timeout(f"collective_rpc {method!r} did not finish within {timeout} s.")
         return JSONResponse({"results": [_jsonable(r) for r in results]})

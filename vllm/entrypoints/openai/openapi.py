@@ -1,10 +1,10 @@
 """The server's OpenAPI schema, made to say what the server does.
 
 FastAPI documents a 422 with its own validation-error body for every route that takes a model; this server
-answers invalid input with a 400 and the OpenAI error body (api_server.py's handlers), so the generated schema
+answers invalid input with a 400 and the OpenAI error body (http_errors.py's handlers), so the generated schema
 drops the 422 and its schemas, and each generation route lists its real answers: 200 as JSON or, with
 `"stream": true`, Server-Sent Events; 400, 401, 404, 413, 500 and 503 with the OpenAI error body. The request
-models mark the fields a request must send and the bounds the server enforces (protocol.py).
+models mark the fields a request must send and the bounds the server enforces (protocol_base.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from vllm.entrypoints.openai.protocol import ErrorResponse
+from vllm.entrypoints.openai.protocol_base import ErrorResponse
 
 _ERRORS = {
     400: "Invalid request: a missing or malformed field, a value out of range, a prompt too long for the context.",

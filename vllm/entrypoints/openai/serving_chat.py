@@ -29,10 +29,9 @@ from typing import Any
 import msgspec
 
 from vllm.entrypoints.chat_utils import render_chat
-from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                              ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-                                              ChatCompletionStreamResponse, ChatMessage, DeltaMessage,
-                                              random_uuid)
+from vllm.entrypoints.openai.protocol_chat import (ChatCompletionRequest, ChatCompletionResponse,
+                                                   ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+                                                   ChatCompletionStreamResponse, ChatMessage, DeltaMessage)
 from vllm.entrypoints.openai.tool_parsers import Hermes2ProToolParser, HermesStreamState
 from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, prompt_char_limit
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SplicedJSONResponse, SSEStream, mask_texts,
@@ -41,6 +40,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import check_unicode
 from vllm.transformers_utils.template_sandbox import MAX_TEMPLATE_STEPS
+from vllm.utils import random_uuid
 from vllm.v1.engine.async_llm import AsyncLLM, OutputStream
 from vllm.v1.engine.input_processor import check_max_tokens
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import msgspec
 
-from vllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, UsageInfo, random_uuid
+from vllm.entrypoints.openai.protocol_base import UsageInfo
+from vllm.entrypoints.openai.protocol_completion import CompletionRequest, CompletionResponse
 from vllm import envs
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SplicedJSONResponse, SSEStream,
                                                     prompt_logprobs_json, sse, weight_spans, with_mask_texts)
@@ -26,6 +27,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs import PromptType
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import check_unicode
+from vllm.utils import random_uuid
 from vllm.v1.engine.async_llm import OutputStream
 from vllm.v1.engine.input_processor import check_max_tokens
 

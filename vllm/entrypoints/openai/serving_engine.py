@@ -24,9 +24,9 @@ from vllm.v1.engine.async_llm import AsyncLLM, OutputStream
 from vllm.v1.engine.core_client import EngineDeadError
 from vllm.v1.engine.sleep_mode import EngineSleepingError
 from vllm.entrypoints.openai.request_limits import INLINE_CHARS, PreprocessPool, check_prompt_chars
-from vllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
-                                              ChatCompletionLogProbsContent, ErrorInfo,
-                                              ErrorResponse, PromptTokenUsageInfo, UsageInfo)
+from vllm.entrypoints.openai.protocol_base import ErrorInfo, ErrorResponse, PromptTokenUsageInfo, UsageInfo
+from vllm.entrypoints.openai.protocol_chat import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                   ChatCompletionLogProbsContent)
 
 
 class NotFoundError(Exception):

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from vllm.entrypoints.openai.protocol import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
-                                              GenerateStreamResponse)
+from vllm.entrypoints.openai.protocol_generate import (GenerateRequest, GenerateResponse, GenerateResponseChoice,
+                                                       GenerateStreamResponse)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, SplicedJSONResponse, SSEStream, mask_texts,
                                                     prompt_logprobs_json, sse, weight_spans, with_mask_texts)
 from vllm.exceptions import VLLMValidationError

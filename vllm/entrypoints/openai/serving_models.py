@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm.entrypoints.openai.protocol import ModelCard, ModelList
+from vllm.entrypoints.openai.protocol_base import ModelCard, ModelList
 
 
 class OpenAIServingModels:

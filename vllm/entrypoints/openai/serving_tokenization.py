@@ -10,8 +10,8 @@ answers `{prompt}`, the ids decoded with special tokens kept; an id outside the 
 
 from __future__ import annotations
 
-from vllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
-                                              TokenizeCompletionRequest, TokenizeResponse)
+from vllm.entrypoints.openai.protocol_tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                                                       TokenizeCompletionRequest, TokenizeResponse)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_engine import OpenAIServing
 from vllm.exceptions import VLLMValidationError

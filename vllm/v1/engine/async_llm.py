@@ -34,7 +34,7 @@ from vllm.transformers_utils.tokenizer import Tokenizer, get_tokenizer
 from vllm.utils import refuse_stat_loggers, unwrap_info
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.engine.core_client import EngineCoreHandle, EngineDeadError, make_async_client
-from vllm.v1.engine.dp_client import check_data_parallel_rank, current_data_parallel_rank
+from vllm.v1.engine.dp_client import check_data_parallel_rank, check_rpc_engine, current_data_parallel_rank
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_collector import RequestOutputCollector
 from vllm.v1.engine.output_processor import OutputProcessor
@@ -297,6 +297,12 @@ class AsyncLLM:
         self._ensure_output_handler()  # NOTE: it reads the results off the output socket
         return await self.engine_core.call_utility_async(method, *args, **kwargs)
 
+    async def _call_engine(self, engine: int, method: str, *args: Any) -> Any:
+        """`_call` to one engine core (its data-parallel rank) only."""
+        await self.check_health()
+        self._ensure_output_handler()
+        return await self.engine_core.call_engine_async(engine, method, args, {})
+
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True,
                                wait_for_inflight_requests: bool | None = None) -> None:
         """Pause generation in the engine core (for every API server of it); returns once paused:
@@ -319,11 +325,17 @@ class AsyncLLM:
         return await self._call("is_paused")
 
     async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
-                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+                             kwargs: dict[str, Any] | None = None, *,
+                             data_parallel_rank: int | None = None) -> list[Any]:
         """Run a worker method (by name, or a picklable callable taking the worker first) on every worker, after
         the steps in flight; one result per worker. TimeoutError after `timeout` seconds (the call itself runs
-        on)."""
-        call = self._call("collective_rpc", method, timeout, tuple(args), kwargs)
+        on). With data parallel every engine core runs it and the results are engine 0's workers' (vLLM's);
+        data_parallel_rank=i (not vLLM's) runs it on engine core i alone and returns its workers' results, except
+        for sleep, wake_up and the weight-update methods (VLLMValidationError: they hold for every engine)."""
+        rank = check_data_parallel_rank(data_parallel_rank, self.engine_core.data_parallel_size)
+        check_rpc_engine(method, rank)
+        call = self._call("collective_rpc", method, timeout, tuple(args), kwargs) if rank is None else \
+            self._call_engine(rank, "collective_rpc", method, timeout, tuple(args), kwargs)
         results = await (asyncio.wait_for(call, timeout) if timeout is not None else call)
         if method in ("sleep", "wake_up"):  # the engine's sleep mode (verl's hybrid engine calls it so)
             self.sleeping = await self._call("is_sleeping")

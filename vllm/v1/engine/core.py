@@ -30,8 +30,9 @@ process and the in-process client call them by name):
   for "wait", the requests finished): the caller keeps stepping until then.
 - Weight updates: `start_weight_update` halts scheduling and drains the batch queue (its steps' outputs go to
   `pending_outputs`), so no step is in flight and none starts while weights are copied; `update_weights` moves
-  weights into the existing parameters (the worker: vllm/v1/worker/weight_update.py; with several ranks, all of
-  them or none: vllm/v1/engine/weight_sync.py, else the engine stops); `finish_weight_update`
+  weights into the existing parameters (the worker: vllm/v1/worker/weight_update.py; with several ranks, every
+  rank checks before any receives, then all of them or none: vllm/v1/engine/weight_sync.py, else the engine
+  stops); `finish_weight_update`
   sets the new `weight_version` and lifts the halt (unless paused in keep mode). Every step's outputs carry the
   weight version that computed them. Finishing an update (also a failed one) invalidates the prefix cache
   (KVCacheManager.invalidate_prefix_cache): no KV computed with the old weights is found again.
@@ -58,7 +59,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStepError,
                              FinishReason)
 from vllm.v1.engine.sleep_mode import SLEEP_UTILITY_METHODS, EngineSleepMixin
-from vllm.v1.engine.weight_sync import WeightsOutOfStepError, run_weight_change
+from vllm.v1.engine.weight_sync import (WeightDrainError, WeightsOutOfStepError, check_transfer_init,
+                                        check_weight_update, discard_weight_update, init_transfer_all_or_none,
+                                        no_update_in_progress, run_weight_change, update_weights_all_or_none)
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.worker.async_output import AsyncModelRunnerOutput
@@ -154,7 +157,8 @@ class EngineCore(EngineSleepMixin):
         "pause_generation", "resume_generation", "is_paused", "abort_all_requests", "generation_halted",
         "collective_rpc", "reset_prefix_cache", "init_weight_transfer_engine", "start_weight_update",
         "update_weights", "finish_weight_update", "get_weight_version", "update_weight_version", "weight_info",
-        "load_weights_from_disk", "init_broadcaster", "load_weights_from_broadcast"}) | SLEEP_UTILITY_METHODS
+        "load_weights_from_disk", "init_broadcaster", "load_weights_from_broadcast", "check_weight_update",
+        "discard_weight_update", "check_weight_transfer_init"}) | SLEEP_UTILITY_METHODS
 
     def _drain(self) -> None:
         """Finish every step in flight now (no new one is launched); their outputs go to `pending_outputs`."""
@@ -246,7 +250,11 @@ class EngineCore(EngineSleepMixin):
         return self.model_executor.collective_rpc(method, timeout, args, kwargs or {})
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.model_executor.run_workers("init_weight_transfer_engine", init_info)
+        init_transfer_all_or_none(self.model_executor, init_info)  # NOTE: every rank checks before any joins
+
+    def check_weight_transfer_init(self, init_info: dict[str, Any]) -> str | None:
+        """init_weight_transfer_engine's checks alone (the data-parallel client's agreement): the refusal or None."""
+        return check_transfer_init(self.model_executor, init_info)
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         if self.updating_weights:
@@ -263,8 +271,24 @@ class EngineCore(EngineSleepMixin):
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if not self.updating_weights:
-            raise ValueError("No weight update is in progress: call start_weight_update first.")
-        run_weight_change(self.model_executor, "update_weights", update_info)
+            raise no_update_in_progress(self.model_executor)  # NOTE: a refusal, as the DP client's check gives it
+        # NOTE: every rank accepts before any receives (weight_sync.py): a refusal leaves no rank in the trainer's
+        # collective.
+        update_weights_all_or_none(self.model_executor, update_info)
+
+    def check_weight_update(self, update_info: dict[str, Any]) -> tuple[str | None, bool]:
+        """update_weights' checks alone (the data-parallel client's agreement, dp_client.py): (the refusal's text
+        or None, whether every rank can receive the update and drop it)."""
+        if not self.updating_weights:
+            return "No weight update is in progress: call start_weight_update first.", False
+        return check_weight_update(self.model_executor, update_info)
+
+    def discard_weight_update(self, update_info: dict[str, Any]) -> None:
+        """Receive a refused update from the trainer's group on every rank and drop it (no weight changes);
+        WeightDrainError when that fails here (another caller ended the update since the check, say)."""
+        if not self.updating_weights:
+            raise WeightDrainError("No weight update is in progress on this engine: nothing was received.")
+        discard_weight_update(self.model_executor, update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self.updating_weights:

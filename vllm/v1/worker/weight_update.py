@@ -14,7 +14,9 @@ Invariants:
   (the whole tensor: each rank's weight_loader keeps its own shard) and a floating-point dtype.
   A refused update changes no weight and raises ValueError; the engine keeps its weights and keeps serving.
   Any other error may come after some copies (RuntimeError). With several ranks the engine core judges the
-  ranks' outcomes together (vllm/v1/engine/weight_sync.py).
+  ranks' outcomes together (vllm/v1/engine/weight_sync.py): every rank runs `check_update` (the same check,
+  nothing moved) before any rank runs `update`, and a refused update is received and dropped by every rank
+  (`discard`) so a trainer's broadcast completes.
 - Tensors are copied one by one into the parameters' storage (`copy_`, casting to the model's dtype), so their
   addresses, and the CUDA graphs captured over them, stay valid, and memory stays about one tensor. On CUDA the
   update waits for its copies before it returns (an IPC sender may free its tensors then).
@@ -66,12 +68,19 @@ class WeightUpdater:
             self.transfer_engine.shutdown()
         self.transfer_engine = engine
 
+    def check_init(self, init_info: dict[str, Any]) -> None:
+        """init_transfer_engine's checks alone (ValueError): joins nothing."""
+        if not isinstance(init_info, dict):
+            raise ValueError(f"init_info must be an object, got {type(init_info).__name__}.")
+        self._make_engine().parse_init_info(init_info)
+
     def start(self, is_checkpoint_format: bool = True) -> None:
         if not isinstance(is_checkpoint_format, bool):
             raise ValueError(f"is_checkpoint_format must be a boolean, got {is_checkpoint_format!r}.")
         self.is_checkpoint_format = is_checkpoint_format
 
-    def update(self, update_info: dict[str, Any]) -> None:
+    def _update_engine(self, update_info: Any) -> Any:
+        """The transfer engine an `update(update_info)` goes through (ValueError when there is none)."""
         if not isinstance(update_info, dict):
             raise ValueError(f"update_info must be an object, got {type(update_info).__name__}.")
         engine = self.transfer_engine
@@ -84,7 +93,46 @@ class WeightUpdater:
             # NOTE: ipc and disk need no set-up (their init_info is {}).
             engine = self.transfer_engine = self._make_engine()
             engine.init_transfer_engine({})
+        return engine
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        engine = self._update_engine(update_info)
         self._apply(engine, engine.parse_update_info(update_info))
+
+    def check_update(self, update_info: dict[str, Any]) -> tuple[str | None, bool]:
+        """`update`'s whole check alone; moves no byte and changes no weight. Returns (the refusal's text, or
+        None when this rank would take the update; whether this rank can receive the update's bytes from the
+        trainer's group and drop them, `discard`: a joined nccl group and an update_info whose layout parses)."""
+        try:
+            engine = self._update_engine(update_info)
+            info = engine.parse_update_info(update_info)
+        except ValueError as e:
+            return f"Weight update refused, no weight was changed: {e}", False
+        receivable = getattr(engine, "model_update_group", None) is not None
+        try:
+            self.check(list(info.names), list(info.dtype_names), [tuple(s) for s in info.shapes])
+        except ValueError as e:
+            return str(e), receivable
+        return None, receivable
+
+    def discard(self, update_info: dict[str, Any]) -> None:
+        """Receive a refused update's bytes from the trainer's group and drop them, so that the trainer's send
+        completes and the group stays in step for the next update; no weight changes. RuntimeError when the
+        transfer fails (the group may then be out of step: initialise it again)."""
+        engine = self._update_engine(update_info)
+        info = engine.parse_update_info(update_info)
+        if getattr(engine, "model_update_group", None) is None:
+            raise ValueError("This weight transfer backend has no trainer group to receive from.")
+        try:
+            with torch.no_grad():
+                for _ in engine.receive_weights(info):
+                    pass
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+        except Exception as e:
+            raise RuntimeError(f"Receiving the refused update to drop it failed ({type(e).__name__}: {e}); no "
+                               "weight was changed, but the transfer group may be out of step with the trainer: "
+                               "initialise it again (init_weight_transfer_engine).") from e
 
     def load_from_disk(self, path: str) -> None:
         """A whole checkpoint-format update from a folder of safetensors, whatever the configured backend."""

@@ -161,12 +161,29 @@ class Worker:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.weight_updater.init_transfer_engine(init_info)
 
+    def check_weight_transfer_init(self, init_info: dict[str, Any]) -> None:
+        """init_weight_transfer_engine's checks alone (ValueError); joins no group."""
+        self.weight_updater.check_init(init_info)
+
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         self.weight_updater.start(is_checkpoint_format)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._check_weights_awake()
         self.weight_updater.update(update_info)
+
+    def check_weight_update(self, update_info: dict[str, Any]) -> tuple[str | None, bool]:
+        """update_weights' checks alone, nothing moved (WeightUpdater.check_update): (refusal text or None,
+        whether this rank can receive the update's bytes and drop them)."""
+        try:
+            self._check_weights_awake()
+        except ValueError as e:
+            return str(e), self.weight_updater.check_update(update_info)[1]
+        return self.weight_updater.check_update(update_info)
+
+    def discard_weight_update(self, update_info: dict[str, Any]) -> None:
+        """Receive a refused update from the trainer's group and drop it (no weight changes)."""
+        self.weight_updater.discard(update_info)
 
     def finish_weight_update(self) -> None:
         self.weight_updater.finish()
@@ -195,8 +212,9 @@ class Worker:
 # engine core wraps with its halt and weight version): refused by name from collective_rpc.
 ENGINE_ONLY_METHODS = frozenset({
     "determine_num_blocks", "initialize_kv_cache", "compile_or_warm_up_model", "execute_model",
-    "execute_model_async", "call", "init_weight_transfer_engine", "start_weight_update", "update_weights",
-    "finish_weight_update", "check_weights_from_disk", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
+    "execute_model_async", "call", "init_weight_transfer_engine", "check_weight_transfer_init", "start_weight_update",
+    "update_weights", "check_weight_update", "discard_weight_update", "finish_weight_update",
+    "check_weights_from_disk", "load_weights_from_disk", "init_broadcaster", "receive_broadcast_weights"})
 # What Worker.__init__ sets: an extension attribute of these names would be shadowed.
 _INSTANCE_ATTRIBUTES = frozenset({"vllm_config", "model_config", "parallel_config", "rank", "local_rank", "device",
                                   "model_runner", "weight_updater", "sleeper"})

@@ -24,7 +24,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from vllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from vllm.entrypoints.openai.protocol_chat import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from vllm.utils import random_uuid
 
 logger = logging.getLogger(__name__)
