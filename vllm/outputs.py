@@ -102,11 +102,14 @@ class SamplingMask:
       ("[3,17,42]", formatted on the device): the masks' JSON ("[[3,17,42],[5]]") is then spliced into the
       response as is (as a few buffers, or one), and the ids are parsed from it only if something asks for them.
 
-    Held as the engine handed it over (vllm/v1/engine/mask_accumulator.py): per token a buffer of its int32 ids
-    (`_id_rows`, with each token's end in the ids, `_ends`) and/or the text in MaskTextBlocks (`_text`: a
-    snapshot); a cumulative output shares its request's buffers, which only grow, and reads the first `_num`
-    tokens (`_owned` False: it copies what it would otherwise close in place). Each form is built once, when
-    first asked for (`_ids`, `_token_ids`).
+    Held as the engine handed it over (vllm/v1/engine/mask_accumulator.py): the int32 ids as pieces whose
+    concatenation is every token's ids in order (`_id_rows`: a view per token as a step brought it, or an array of
+    the request's own per K of them), with each token's end in the ids (`_ends`), and/or the text in
+    MaskTextBlocks (`_text`: a snapshot); a cumulative output shares its request's buffers, which only grow (the
+    pieces are compacted in place: their concatenation only grows), and reads the first `_num` tokens (`_owned`
+    False: it copies what it would otherwise close in place, and cuts the pieces at its tokens' end; an owned
+    mask's pieces are its tokens' ids exactly). Each form is built once, when first asked for (`_ids`,
+    `_token_ids`).
     """
 
     __slots__ = ("_num", "_id_rows", "_ids", "_ends", "_text", "_owned", "_token_ids")
@@ -170,8 +173,8 @@ class SamplingMask:
         """[sum(counts)] int32: every token's support, concatenated in token order."""
         if self._ids is None:
             if self._id_rows is not None:
-                rows, n = self._id_rows, self._num
-                self._ids = np.concatenate(rows[:n]).astype(np.int32, copy=False) if n else np.zeros(0, np.int32)
+                pieces = self._pieces()
+                self._ids = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, np.int32)
                 self._id_rows = None  # NOTE: the views go, and with them what they kept alive of the steps
             elif self._text is not None:
                 self._from_text()
@@ -234,16 +237,28 @@ class SamplingMask:
             text = self._text_followed_by(other)
         rows = ends = None
         if all(s._has_ids() for s in sides) or text is None:
-            rows = self._rows() + other._rows()
+            rows = self._pieces() + other._pieces()
             ends = np.concatenate((self.offsets[1:], other.offsets[1:] + int(self.offsets[-1])))
         return SamplingMask._handed_over(self._num + other._num, rows, ends, text, True)
 
-    def _rows(self) -> list[np.ndarray]:
-        """One int32 array per token (views: no copy)."""
-        if self._id_rows is not None:
-            return self._id_rows[:self._num]
-        ids, offsets = self.ids, self.offsets
-        return [ids[offsets[t]:offsets[t + 1]] for t in range(self._num)]
+    def _pieces(self) -> list[np.ndarray]:
+        """int32 arrays (views: no copy) whose concatenation is this mask's ids."""
+        if self._id_rows is None:
+            return [self.ids]
+        # NOTE: one snapshot of the list: a cumulative output's is its request's, which may be compacted meanwhile
+        # (vllm/v1/engine/mask_accumulator.py); either side of that, the pieces concatenate to the same ids.
+        pieces = self._id_rows[:]
+        if self._owned:
+            return pieces
+        total = int(self._ends[self._num - 1]) if self._num else 0
+        cut: list[np.ndarray] = []
+        n = 0
+        for piece in pieces:
+            if n >= total:
+                break
+            cut.append(piece if n + len(piece) <= total else piece[:total - n])
+            n += len(piece)
+        return cut
 
     def _text_followed_by(self, other: SamplingMask) -> tuple:
         """A MaskTextBlocks snapshot of this mask's text followed by other's: this one's blocks continued when it
