@@ -15,9 +15,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # NOTE: measured on the 2-core CI machine with other work on it: tests/v1/e2e/test_offline.py took 14-28 s with
-    # one thread against 20-68 s with two; a scaled_dot_product_attention call of the tiny model's decode shapes
-    # 0.16 ms against 9 ms. torch has read the variable already in this process, hence set_num_threads too.
+    # NOTE: measured on the 2-core machine with other work on it: tests/v1/e2e/test_sleep_mode.py took 20 s with one
+    # thread against 171 s with two; a scaled_dot_product_attention call of the tiny model's decode shapes 0.16 ms
+    # against 9 ms. With the machine to itself the two take the same time (tests/v1/e2e: 101 s against 104 s).
+    # torch has read the variable already in this process, hence set_num_threads too.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
