@@ -1,6 +1,11 @@
-"""Test-wide setup: without a GPU, Triton kernels run under the interpreter on CPU tensors.
+"""Test-wide setup for CPU machines, applied before collection.
 
-TRITON_INTERPRET must be set before any module defines a kernel, so it is set here, before collection.
+- TRITON_INTERPRET=1: without a GPU, Triton kernels run under the interpreter on CPU tensors. It must be set before
+  any module defines a kernel.
+- OMP_NUM_THREADS=1 (unless already set): one intra-op thread per process, in this one and in every server, engine
+  core and worker it starts (they inherit the environment). The engines here run a tiny model whose ops last
+  microseconds; with two threads per process, several processes on a 2-core CI machine (pytest, an API server, an
+  engine core or two) make each parallel region wait for a descheduled thread.
 """
 
 import os
@@ -10,6 +15,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # NOTE: measured on the 2-core machine with other work on it: tests/v1/e2e/test_sleep_mode.py took 20 s with one
+    # thread against 171 s with two; a scaled_dot_product_attention call of the tiny model's decode shapes 0.16 ms
+    # against 9 ms. With the machine to itself the two take the same time (tests/v1/e2e: 101 s against 104 s).
+    # torch has read the variable already in this process, hence set_num_threads too.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)

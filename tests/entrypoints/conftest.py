@@ -83,7 +83,8 @@ def start_server(extra_args: list[str], extra_env: dict[str, str] | None = None)
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        # NOTE: every server test waits here (about twenty servers a run); a poll costs one refused connection.
+        time.sleep(0.1)
     proc.kill()
     raise RuntimeError("vllm serve did not become healthy in time")
 
