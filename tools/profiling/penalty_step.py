@@ -29,6 +29,11 @@ and lists the kernels only the penalties arm runs and the stages' ms (gpu_kernel
     python3 tools/profiling/penalty_step.py --device cuda --rows 256 1024 --steps 30 --rounds 2 --mask-text \\
         --sync-debug --kernels --json-out out/penalty_step.json                         # GPU, the A/B's model
 
+`--host-ops 256 1024` (no model, any device): the penalty-only host operations of a decode step at serving batch
+sizes, on the runner's own InputBatch / InputBuffers: step_penalty_fields (both arms: without penalties it is the
+early return), the sampler graph key's part (LogitsProcessorTensors.graph_key), update_state's op count and time,
+and PenaltyState.alloc per admitted request; medians of `--steps` calls.
+
 On CPU the model is the Qwen2.5-1.5B config cut to `--cpu-layers` layers of `--cpu-hidden` (the vocabulary,
 which the penalties' cost scales with, stays 151,936); the sampler then runs eagerly in torch (no graphs), so its
 phase is compute, not launch cost. `--full-model` keeps the whole config.
@@ -165,7 +170,29 @@ def _instrument(core: Any, timer: PhaseTimer) -> dict[str, Any]:
             admission.append(time.perf_counter() - t0)
 
     pool.alloc = timed_alloc
-    return {"runner": runner, "pool": pool, "admission": admission}
+    # One-time events of an arm: the pool's growth (a new [slots + 1, V] table: new addresses, so new sampler graph
+    # keys) and the sampler graphs' captures (every size, both sets), with their seconds.
+    events: list[str] = []
+    grow = pool._grow
+
+    def logged_grow(capacity: int, width: int) -> None:
+        t0 = time.perf_counter()
+        grow(capacity, width)
+        events.append(f"pool -> {capacity} slots x {width} ({time.perf_counter() - t0:.3f} s)")
+
+    pool._grow = logged_grow
+    graphs = runner.sampler_graphs
+    if graphs is not None:
+        capture_all = graphs._capture_all
+
+        def logged_capture(key: Any, make_fn: Any) -> None:
+            t0 = time.perf_counter()
+            capture_all(key, make_fn)
+            events.append(f"sampler graphs captured ({time.perf_counter() - t0:.1f} s, penalties: "
+                          f"{key[-1] is not None})")
+
+        graphs._capture_all = logged_capture
+    return {"runner": runner, "pool": pool, "admission": admission, "events": events}
 
 
 @contextlib.contextmanager
@@ -198,6 +225,7 @@ def run_arm(llm: Any, handles: dict[str, Any], timer: PhaseTimer, arm: str, tag:
     rows = args.rows_now
     req_ids = [f"{tag}-{i}" for i in range(rows)]
     handles["admission"].clear()
+    handles["events"].clear()
     for req_id in req_ids:
         engine.add_request(req_id, {"prompt_token_ids": rng.integers(0, vocab, args.input_len).tolist()}, params)
     sched = core.scheduler
@@ -223,6 +251,7 @@ def run_arm(llm: Any, handles: dict[str, Any], timer: PhaseTimer, arm: str, tag:
     result["penalty_pool"] = {"slots": pool.capacity, "width": pool.width,
                               "state_mb": pool.state.numel() * pool.state.element_size() / 1e6}
     result["sampler_graph_keys"] = None if graphs is None else len(graphs.keys)
+    result["one_time"] = list(handles["events"])
     if caught:
         where: dict[str, int] = defaultdict(int)
         for w in caught:
@@ -248,13 +277,94 @@ def run_arm(llm: Any, handles: dict[str, Any], timer: PhaseTimer, arm: str, tag:
     return result
 
 
+def host_ops(rows: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The penalty-only host operations of one decode step of `rows` rows, without a model (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.sample.ops.penalties import update_state
+    from vllm.v1.worker.input_batch import InputBatch
+    from vllm.v1.worker.input_prep import InputBuffers
+    from vllm.v1.worker.penalty_state import step_penalty_fields
+
+    device = torch.device(args.device)
+    vocab = 151_936
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {"rows": rows}
+
+    def median_us(fn: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return 1e6 * float(np.median(times))
+
+    for arm in ("plain", "penalties"):
+        batch = InputBatch(rows, args.input_len + 64, 16, vocab, device, True)
+        buffers = InputBuffers(rows, rows, args.input_len + 64, 16, 16, 0, device)
+        extra = {"presence_penalty": args.presence, "repetition_penalty": args.repetition} if arm == "penalties" else {}
+        params = SamplingParams(temperature=1.0, top_p=0.95, top_k=512, logprobs=1, **extra)
+        alloc: list[float] = []
+        for i in range(rows):
+            t0 = time.perf_counter()
+            batch.add_request(NewRequestData(f"r{i}", rng.integers(0, vocab, args.input_len).tolist(), [], params,
+                                             [i], args.input_len, eos_token_id=151645))
+            alloc.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row_ids = np.arange(rows, dtype=np.int64)
+        samples = np.ones(rows, dtype=bool)
+        req_ids = list(batch.req_ids)
+        # NOTE: the runner's tensor(): padded to the step's rows (none here), into the persistent buffer, H2D copy.
+        fields = lambda: step_penalty_fields(batch, req_ids, row_ids, samples, buffers,  # noqa: E731
+                                             lambda buf, v, neutral: buffers.sampling_tensor(buf, v), vocab)
+        out[f"{arm} add_request us"] = 1e6 * float(np.median(alloc))
+        out[f"{arm} penalty fields us"] = median_us(fields)
+        f = fields()
+        if arm == "plain":
+            continue
+        out["graph key us"] = median_us(f["processors"].graph_key)
+        sampled = torch.from_numpy(rng.integers(0, vocab, rows)).to(device)
+        proc = f["processors"]
+
+        def count() -> None:
+            update_state(proc.state, proc.recent, f["penalty_slot"], f["penalty_weight"], sampled)
+
+        out["update_state us"] = median_us(count)
+        if device.type == "cuda":
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    count()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            path = os.path.join(tempfile.gettempdir(), f"penalty_host_ops_{rows}.json")
+            prof.export_chrome_trace(path)
+            kernels = gpu_kernel_profile.summarize(path, 10, wall)["kernels_us"]
+            os.remove(path)
+            out["update_state kernels"] = sum(calls for _, calls in kernels.values())
+            out["update_state device us"] = sum(us for us, _ in kernels.values())
+            out["update_state kernel names"] = ", ".join(kernels)
+        else:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                count()
+            # The top-level ops: on CUDA each launches one kernel or more (views none).
+            out["update_state ops"] = ", ".join(e.name for e in prof.events() if e.cpu_parent is None)
+    return out
+
+
 def report(rows: int, results: list[dict[str, Any]]) -> None:
     by_arm: dict[str, list[dict]] = defaultdict(list)
     for r in results:
         by_arm[r["arm"]].append(r)
     arms = [a for a in ("plain", "penalties") if a in by_arm]
     cuda = "device" in results[0]
-    print(f"\n### {rows} rows: ms per decode step, median over steps, mean over rounds (host{' / device' if cuda else ''})\n")
+    kinds = "host / device" if cuda else "host"
+    print(f"\n### {rows} rows: ms per decode step, median over steps, mean over rounds ({kinds})\n")
     print("| phase | " + " | ".join(arms) + " | penalties - plain |\n|---|" + "---:|" * (len(arms) + 1))
 
     def mean(arm: str, kind: str, phase: str) -> float:
@@ -276,6 +386,8 @@ def report(rows: int, results: list[dict[str, Any]]) -> None:
               f"{r['admission_us_per_request']:.0f} us per request ({r['admission_requests']} requests); pool "
               f"{r['penalty_pool']}; sampler graph keys {r['sampler_graph_keys']}; calls per step "
               f"{ {k: round(v, 2) for k, v in r['calls_per_step'].items()} }")
+        for x in by_arm[arm]:
+            print(f"{arm} round {x['round']}: one-time events {x['one_time'] or 'none'}")
         if "syncs_per_step" in r:
             print(f"{arm}: synchronizing calls per step: {r['syncs_per_step'] or 'none'}")
     if all("kernels" in by_arm[a][-1] for a in arms) and len(arms) == 2:
@@ -303,8 +415,20 @@ def main() -> None:
     parser.add_argument("--no-mask", action="store_true", help="without --return-sampling-mask")
     parser.add_argument("--sync-debug", action="store_true", help="CUDA: count synchronizing calls per step")
     parser.add_argument("--kernels", action="store_true", help="CUDA: kernel profile of both arms")
+    parser.add_argument("--host-ops", type=int, nargs="+", default=None, metavar="ROWS",
+                        help="only the penalty-only host operations at these row counts, without a model")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    if args.host_ops:
+        if args.steps < 20:
+            args.steps = 50
+        rows_out = [host_ops(rows, args) for rows in args.host_ops]
+        for r in rows_out:
+            print(" | ".join(f"{k}: {v:.1f}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.items()))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(rows_out, f, indent=1)
+        return
     # NOTE: the engine core in this process, whatever LLM's default, so that its methods can be wrapped.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.mask_text:
@@ -318,7 +442,8 @@ def main() -> None:
     output_len = args.settle + 2 * args.steps + 32
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, device=args.device, max_num_seqs=max_rows,
               max_model_len=args.input_len + output_len, logprobs_mode="processed_logprobs",
-              return_sampling_mask=not args.no_mask, max_num_batched_tokens=max(8192, args.input_len * min(max_rows, 64)))
+              return_sampling_mask=not args.no_mask,
+              max_num_batched_tokens=max(8192, args.input_len * min(max_rows, 64)))
     timer = PhaseTimer(cuda)
     handles = _instrument(llm.llm_engine.engine_core.engine_core, timer)
     all_results = []
