@@ -144,6 +144,8 @@ def _instrument(core: Any, timer: PhaseTimer) -> dict[str, Any]:
     from vllm.v1.worker import async_output, model_runner as mr
 
     runner = core.worker.model_runner
+    module_level = [(mr, "step_penalty_fields", mr.step_penalty_fields), (mr, "count_sampled", mr.count_sampled),
+                    (async_output.AsyncModelRunnerOutput, "get_output", async_output.AsyncModelRunnerOutput.get_output)]
     sched = core.scheduler
     sched.schedule = timer.wrap("schedule", sched.schedule)
     sched.update_from_output = timer.wrap("update", sched.update_from_output)
@@ -192,7 +194,12 @@ def _instrument(core: Any, timer: PhaseTimer) -> dict[str, Any]:
                           f"{key[-1] is not None})")
 
         graphs._capture_all = logged_capture
-    return {"runner": runner, "pool": pool, "admission": admission, "events": events}
+    def undo() -> None:
+        """Put back the module and class attributes (the engine's own attributes go with it)."""
+        for owner, name, original in module_level:
+            setattr(owner, name, original)
+
+    return {"runner": runner, "pool": pool, "admission": admission, "events": events, "undo": undo}
 
 
 @contextlib.contextmanager
@@ -283,7 +290,7 @@ def host_ops(rows: int, args: argparse.Namespace) -> dict[str, Any]:
 
     from vllm import SamplingParams
     from vllm.v1.core.sched.output import NewRequestData
-    from vllm.v1.sample.ops.penalties import update_state
+    from vllm.v1.sample.ops.penalties import _COUNT_MASK, update_state
     from vllm.v1.worker.input_batch import InputBatch
     from vllm.v1.worker.input_prep import InputBuffers
     from vllm.v1.worker.penalty_state import step_penalty_fields
@@ -335,6 +342,10 @@ def host_ops(rows: int, args: argparse.Namespace) -> dict[str, Any]:
             update_state(proc.state, proc.recent, f["penalty_slot"], f["penalty_weight"], sampled)
 
         out["update_state us"] = median_us(count)
+        # The timed calls counted the same token of each row `steps` times (its prompt bit aside).
+        counts = (proc.state[f["penalty_slot"], sampled] & _COUNT_MASK).cpu().numpy()
+        if not (counts == args.steps).all():
+            raise RuntimeError(f"update_state counted {counts.tolist()}, not {args.steps} each")
         if device.type == "cuda":
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 t0 = time.perf_counter()
@@ -396,7 +407,7 @@ def report(rows: int, results: list[dict[str, Any]]) -> None:
         print("\n(in that table 'mask off' is the plain arm and 'mask on' the penalties arm)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", default=CONFIG)
@@ -418,7 +429,7 @@ def main() -> None:
     parser.add_argument("--host-ops", type=int, nargs="+", default=None, metavar="ROWS",
                         help="only the penalty-only host operations at these row counts, without a model")
     parser.add_argument("--json-out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.host_ops:
         if args.steps < 20:
             args.steps = 50
@@ -428,7 +439,7 @@ def main() -> None:
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(rows_out, f, indent=1)
-        return
+        return rows_out
     # NOTE: the engine core in this process, whatever LLM's default, so that its methods can be wrapped.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.mask_text:
@@ -446,23 +457,26 @@ def main() -> None:
               max_num_batched_tokens=max(8192, args.input_len * min(max_rows, 64)))
     timer = PhaseTimer(cuda)
     handles = _instrument(llm.llm_engine.engine_core.engine_core, timer)
-    all_results = []
-    for rows in args.rows:
-        args.rows_now = rows
-        results = []
-        for rnd in range(args.rounds):
-            for arm in args.arms if rnd % 2 == 0 else args.arms[::-1]:
-                r = run_arm(llm, handles, timer, arm, f"{arm}-{rows}-{rnd}", args)
-                r["round"] = rnd + 1
-                results.append(r)
-                print(f"round {rnd + 1} {arm} {rows} rows: step {r['host']['step']:.2f} ms host", flush=True)
-        report(rows, results)
-        all_results.extend(results)
-    shutil.rmtree(tmp)
+    all_results: list[dict[str, Any]] = []
+    try:
+        for rows in args.rows:
+            args.rows_now = rows
+            results = []
+            for rnd in range(args.rounds):
+                for arm in args.arms if rnd % 2 == 0 else args.arms[::-1]:
+                    r = run_arm(llm, handles, timer, arm, f"{arm}-{rows}-{rnd}", args)
+                    r["round"] = rnd + 1
+                    results.append(r)
+                    print(f"round {rnd + 1} {arm} {rows} rows: step {r['host']['step']:.2f} ms host", flush=True)
+            report(rows, results)
+            all_results.extend(results)
+    finally:
+        handles["undo"]()
+        shutil.rmtree(tmp)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(all_results, f, indent=1)
-
+    return all_results
 
 if __name__ == "__main__":
     main()
