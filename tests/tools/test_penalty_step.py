@@ -11,7 +11,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools", "profiling"))
 import penalty_step  # noqa: E402
 
-from vllm.v1.sample import sampler  # noqa: E402
+from vllm.v1.sample import fast_path, sampler  # noqa: E402
+from vllm.v1.sample.ops import topk_select  # noqa: E402
 from vllm.v1.worker import async_output, model_runner, penalty_state  # noqa: E402
 
 
@@ -31,6 +32,8 @@ def test_arms_take_their_paths(monkeypatch) -> None:
         # Each penalised request takes a slot when it is first scheduled; plain requests take none.
         assert r["admission_requests"] == (3 if penalised else 0)
         assert r["host"]["step"] > 0 and r["host"]["sampler"] > 0
+        # The model's bf16 logits go to the top-k select as they are; with penalties, the kernel's float32 copy.
+        assert r["select_reads"] == (["float32"] if penalised else ["bfloat16"])
     # The pool is made on the first penalised request with min(64, max_num_seqs) = 3 slots, and never grows.
     assert results[1]["one_time"] == [e for e in results[1]["one_time"] if e.startswith("pool -> 3 slots x 16")]
     assert len(results[1]["one_time"]) == 1 and results[2]["one_time"] == []
@@ -38,6 +41,7 @@ def test_arms_take_their_paths(monkeypatch) -> None:
     assert model_runner.count_sampled is sampler.count_sampled
     assert model_runner.step_penalty_fields is penalty_state.step_penalty_fields
     assert async_output.AsyncModelRunnerOutput.get_output is get_output
+    assert fast_path.select_top_k_candidates is topk_select.select_top_k_candidates
 
 
 def test_host_ops_count_each_token() -> None:

@@ -20,6 +20,9 @@ Host ms is the median over the timed steps of each phase's time summed within th
 also records two CUDA events on the current stream: device ms is the span between them (the work the call
 enqueued, plus any gap the device waited for the host inside the call), summed per step, median over steps.
 Admission: PenaltyState.alloc per request (the prompt's presence bits), timed while the arm's requests are added.
+Also per arm: the one-time events (the penalty pool's growth, each sampler-graph capture, with seconds) and the
+dtype of the logits the top-k select reads (the model's bf16 without penalties; the penalty kernel's float32
+copy with them).
 
 On CUDA also: `--sync-debug` counts synchronizing CUDA calls per step (torch.cuda.set_sync_debug_mode) with the
 Python line of each; `--kernels` traces `--steps` more steps per arm with torch.profiler (CUDA activity only)
@@ -34,9 +37,10 @@ sizes, on the runner's own InputBatch / InputBuffers: step_penalty_fields (both 
 early return), the sampler graph key's part (LogitsProcessorTensors.graph_key), update_state's op count and time,
 and PenaltyState.alloc per admitted request; medians of `--steps` calls.
 
-On CPU the model is the Qwen2.5-1.5B config cut to `--cpu-layers` layers of `--cpu-hidden` (the vocabulary,
-which the penalties' cost scales with, stays 151,936); the sampler then runs eagerly in torch (no graphs), so its
-phase is compute, not launch cost. `--full-model` keeps the whole config.
+On CPU the model is the Qwen2.5-1.5B config in bfloat16 (`--dtype`) cut to `--cpu-layers` layers of
+`--cpu-hidden` (the vocabulary, which the penalties' cost scales with, stays 151,936); the sampler then runs eagerly
+in torch (no graphs; the penalty op is the Triton kernel's torch reference, ~10x its bytes), so its phase is
+compute, not launch cost. `--full-model` keeps the whole config.
 """
 
 from __future__ import annotations
@@ -144,7 +148,10 @@ def _instrument(core: Any, timer: PhaseTimer) -> dict[str, Any]:
     from vllm.v1.worker import async_output, model_runner as mr
 
     runner = core.worker.model_runner
+    from vllm.v1.sample import fast_path
+
     module_level = [(mr, "step_penalty_fields", mr.step_penalty_fields), (mr, "count_sampled", mr.count_sampled),
+                    (fast_path, "select_top_k_candidates", fast_path.select_top_k_candidates),
                     (async_output.AsyncModelRunnerOutput, "get_output", async_output.AsyncModelRunnerOutput.get_output)]
     sched = core.scheduler
     sched.schedule = timer.wrap("schedule", sched.schedule)
@@ -160,6 +167,16 @@ def _instrument(core: Any, timer: PhaseTimer) -> dict[str, Any]:
     mr.count_sampled = timer.wrap("count", mr.count_sampled)
     runner._finish_step = timer.wrap("finish", runner._finish_step)
     async_output.AsyncModelRunnerOutput.get_output = timer.wrap("wait", async_output.AsyncModelRunnerOutput.get_output)
+    # The dtype of the logits the top-k select reads (the fast path's one full-vocabulary read) in an arm's steps;
+    # on CUDA seen only where the arm captures its sampler graphs (a replay calls no Python).
+    select_dtypes: set[str] = set()
+    select = fast_path.select_top_k_candidates
+
+    def recorded_select(logits: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        select_dtypes.add(str(logits.dtype).replace("torch.", ""))
+        return select(logits, *a, **kw)
+
+    fast_path.select_top_k_candidates = recorded_select
     pool = runner.input_batch.penalty_state
     admission: list[float] = []
     alloc = pool.alloc
@@ -199,7 +216,8 @@ def _instrument(core: Any, timer: PhaseTimer) -> dict[str, Any]:
         for owner, name, original in module_level:
             setattr(owner, name, original)
 
-    return {"runner": runner, "pool": pool, "admission": admission, "events": events, "undo": undo}
+    return {"runner": runner, "pool": pool, "admission": admission, "events": events, "undo": undo,
+            "select_dtypes": select_dtypes}
 
 
 @contextlib.contextmanager
@@ -233,6 +251,7 @@ def run_arm(llm: Any, handles: dict[str, Any], timer: PhaseTimer, arm: str, tag:
     req_ids = [f"{tag}-{i}" for i in range(rows)]
     handles["admission"].clear()
     handles["events"].clear()
+    handles["select_dtypes"].clear()
     for req_id in req_ids:
         engine.add_request(req_id, {"prompt_token_ids": rng.integers(0, vocab, args.input_len).tolist()}, params)
     sched = core.scheduler
@@ -259,6 +278,7 @@ def run_arm(llm: Any, handles: dict[str, Any], timer: PhaseTimer, arm: str, tag:
                               "state_mb": pool.state.numel() * pool.state.element_size() / 1e6}
     result["sampler_graph_keys"] = None if graphs is None else len(graphs.keys)
     result["one_time"] = list(handles["events"])
+    result["select_reads"] = sorted(handles["select_dtypes"])
     if caught:
         where: dict[str, int] = defaultdict(int)
         for w in caught:
@@ -395,7 +415,8 @@ def report(rows: int, results: list[dict[str, Any]]) -> None:
         r = by_arm[arm][-1]
         print(f"\n{arm}: rounds (step host ms) {[round(x['host']['step'], 3) for x in by_arm[arm]]}; admission "
               f"{r['admission_us_per_request']:.0f} us per request ({r['admission_requests']} requests); pool "
-              f"{r['penalty_pool']}; sampler graph keys {r['sampler_graph_keys']}; calls per step "
+              f"{r['penalty_pool']}; sampler graph keys {r['sampler_graph_keys']}; the top-k select reads "
+              f"{r['select_reads']} logits; calls per step "
               f"{ {k: round(v, 2) for k, v in r['calls_per_step'].items()} }")
         for x in by_arm[arm]:
             print(f"{arm} round {x['round']}: one-time events {x['one_time'] or 'none'}")
@@ -412,6 +433,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", default=CONFIG)
     parser.add_argument("--full-model", action="store_true", help="on CPU, the whole config (slow)")
+    parser.add_argument("--dtype", default="bfloat16", help="the A/B's bfloat16 on any device (CPU's auto: float32)")
     parser.add_argument("--cpu-layers", type=int, default=2)
     parser.add_argument("--cpu-hidden", type=int, default=128)
     parser.add_argument("--rows", type=int, nargs="+", default=[32])
@@ -451,7 +473,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     model = _model_dir(args, tmp)
     max_rows = max(args.rows)
     output_len = args.settle + 2 * args.steps + 32
-    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, device=args.device, max_num_seqs=max_rows,
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, device=args.device, dtype=args.dtype,
+              max_num_seqs=max_rows,
               max_model_len=args.input_len + output_len, logprobs_mode="processed_logprobs",
               return_sampling_mask=not args.no_mask,
               max_num_batched_tokens=max(8192, args.input_len * min(max_rows, 64)))
