@@ -145,11 +145,10 @@ def _model_dir(args: argparse.Namespace, tmp: str) -> str:
 def _instrument(core: Any, timer: PhaseTimer) -> dict[str, Any]:
     """Wrap the engine's phase methods (instance attributes, or module globals the runner calls); returns the
     objects the report reads (runner, penalty pool, admission times)."""
+    from vllm.v1.sample import fast_path
     from vllm.v1.worker import async_output, model_runner as mr
 
     runner = core.worker.model_runner
-    from vllm.v1.sample import fast_path
-
     module_level = [(mr, "step_penalty_fields", mr.step_penalty_fields), (mr, "count_sampled", mr.count_sampled),
                     (fast_path, "select_top_k_candidates", fast_path.select_top_k_candidates),
                     (async_output.AsyncModelRunnerOutput, "get_output", async_output.AsyncModelRunnerOutput.get_output)]
@@ -211,6 +210,7 @@ def _instrument(core: Any, timer: PhaseTimer) -> dict[str, Any]:
                           f"{key[-1] is not None})")
 
         graphs._capture_all = logged_capture
+
     def undo() -> None:
         """Put back the module and class attributes (the engine's own attributes go with it)."""
         for owner, name, original in module_level:
