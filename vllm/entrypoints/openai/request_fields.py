@@ -8,7 +8,7 @@ it is a 400 whose `param` is the field's name. A field neither here nor in the m
 OpenAI field) is ignored and logged with vLLM's warning, "The following fields were present in the request but
 ignored: {...}". The table of docs/serving.md lists them all.
 
-`check_request_fields` runs before pydantic validates a request (RequestModel's wrap validator in protocol.py),
+`check_request_fields` runs before pydantic validates a request (RequestModel's wrap validator in protocol_base.py),
 so a refused field is reported even when others are also wrong.
 """
 

@@ -51,7 +51,7 @@ from vllm.v1.engine.weight_sync import (JOIN, WeightDrainError, WeightsOutOfStep
                                         transfer_init_refused)
 
 # The data-parallel rank the HTTP request being handled asked for (X-data-parallel-rank), for AsyncLLM.add_request
-# when its caller passes none; set by the server's routes (api_server.py) in the request's own task.
+# when its caller passes none; set by the server's routes (routes.py) in the request's own task.
 current_data_parallel_rank: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "current_data_parallel_rank", default=None)
 
