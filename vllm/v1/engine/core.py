@@ -59,7 +59,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import (Deferred, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStepError,
                              FinishReason)
 from vllm.v1.engine.sleep_mode import SLEEP_UTILITY_METHODS, EngineSleepMixin
-from vllm.v1.engine.weight_sync import (WeightDrainError, WeightsOutOfStepError, check_transfer_init,
+from vllm.v1.engine.weight_sync import (NO_UPDATE, WeightDrainError, WeightsOutOfStepError, check_transfer_init,
                                         check_weight_update, discard_weight_update, init_transfer_all_or_none,
                                         no_update_in_progress, run_weight_change, update_weights_all_or_none)
 from vllm.v1.request import Request, RequestStatus
@@ -280,7 +280,7 @@ class EngineCore(EngineSleepMixin):
         """update_weights' checks alone (the data-parallel client's agreement, dp_client.py): (the refusal's text
         or None, whether every rank can receive the update and drop it)."""
         if not self.updating_weights:
-            return "No weight update is in progress: call start_weight_update first.", False
+            return NO_UPDATE, False
         return check_weight_update(self.model_executor, update_info)
 
     def discard_weight_update(self, update_info: dict[str, Any]) -> None:
@@ -292,7 +292,7 @@ class EngineCore(EngineSleepMixin):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self.updating_weights:
-            raise ValueError("No weight update is in progress: call start_weight_update first.")
+            raise ValueError(NO_UPDATE)
         _check_version(weight_version, "weight_version")
         try:
             self.model_executor.run_workers("finish_weight_update")

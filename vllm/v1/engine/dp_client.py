@@ -48,7 +48,7 @@ from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineStepError
 from vllm.v1.engine.core_client import AsyncMPClient, EngineDeadError
 from vllm.v1.engine.core_launch import EngineCoreHandle
 from vllm.v1.engine.weight_sync import (JOIN, WeightDrainError, WeightsOutOfStepError, refusal_text, refused,
-                                        transfer_init_refused)
+                                        transfer_backend, transfer_init_refused)
 
 # The data-parallel rank the HTTP request being handled asked for (X-data-parallel-rank), for AsyncLLM.add_request
 # when its caller passes none; set by the server's routes (routes.py) in the request's own task.
@@ -128,8 +128,7 @@ class DPLBAsyncMPClient(AsyncMPClient):
         num_engines = self.data_parallel_size
         self.tensor_parallel_size = int(vllm_config.parallel_config.tensor_parallel_size) \
             if vllm_config is not None else 1
-        transfer = getattr(vllm_config, "weight_transfer_config", None)
-        self.weight_transfer_backend = transfer.backend if transfer is not None else "nccl"
+        self.weight_transfer_backend = transfer_backend(vllm_config)
         self.client_count = self.handle.num_clients
         self.reqs_in_flight: dict[str, int] = {}
         self.engine_inflight = [0] * num_engines
@@ -280,8 +279,7 @@ class DPLBAsyncMPClient(AsyncMPClient):
             except WeightDrainError as e:
                 drained = e
         raise refused(refusal_text(problems, self.data_parallel_size, "data-parallel engine"),
-                      self.weight_transfer_backend, drained) from (drained if isinstance(drained, BaseException)
-                                                                   else None)
+                      self.weight_transfer_backend, drained)
 
     async def _drop_on_every_engine(self, update_info: Any) -> None:
         """Every engine receives the refused update and drops it; WeightDrainError naming the engines where that

@@ -117,7 +117,8 @@ def discard_weight_update(executor: Executor, update_info: Any) -> None:
 
 def refused(problem: str, backend: str, drained: bool | BaseException) -> VLLMValidationError:
     """The error of a refused update, saying what became of the trainer's bytes (`drained`: True when every
-    worker received and dropped them; an exception when that failed; False when nothing was received)."""
+    worker received and dropped them; an exception when that failed, which becomes the error's cause; False when
+    nothing was received)."""
     again = ("initialise the weight transfer again (init_weight_transfer_engine, and trainer_init on a new port) "
              "before the next update.")
     if drained is True:
@@ -133,11 +134,15 @@ def refused(problem: str, backend: str, drained: bool | BaseException) -> VLLMVa
         note = ""
     if note and not problem.rstrip().endswith((".", ")")):
         problem = problem.rstrip() + "."
-    return VLLMValidationError(f"{problem} {note}".strip(), parameter="update_info")
+    error = VLLMValidationError(f"{problem} {note}".strip(), parameter="update_info")
+    if isinstance(drained, BaseException):
+        error.__cause__ = drained
+    return error
 
 
-def transfer_backend(executor: Executor) -> str:
-    config = executor.vllm_config.weight_transfer_config
+def transfer_backend(vllm_config: Any) -> str:
+    """The weight-transfer backend the engine was configured with ("nccl" when none was)."""
+    config = getattr(vllm_config, "weight_transfer_config", None)
     return config.backend if config is not None else "nccl"
 
 
@@ -155,15 +160,16 @@ def update_weights_all_or_none(executor: Executor, update_info: Any) -> None:
             drained = True
         except WeightDrainError as e:
             drained = e
-    raise refused(problem, transfer_backend(executor), drained) from (drained if isinstance(drained, BaseException)
-                                                                     else None)
+    raise refused(problem, transfer_backend(executor.vllm_config), drained)
+
+
+NO_UPDATE = "No weight update is in progress: call start_weight_update first."
 
 
 def no_update_in_progress(executor: Executor) -> VLLMValidationError:
     """update_weights outside start_weight_update / finish_weight_update: a refusal like any other (nothing of
     the update is received)."""
-    return refused("No weight update is in progress: call start_weight_update first.", transfer_backend(executor),
-                   False)
+    return refused(NO_UPDATE, transfer_backend(executor.vllm_config), False)
 
 
 JOIN = "Joining the trainer's weight-transfer group"
