@@ -25,6 +25,8 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -110,7 +112,7 @@ class WeightUpdater:
             return f"Weight update refused, no weight was changed: {e}", False
         receivable = getattr(engine, "model_update_group", None) is not None
         try:
-            self.check(list(info.names), list(info.dtype_names), [tuple(s) for s in info.shapes])
+            self._check_info(info)
         except ValueError as e:
             return str(e), receivable
         return None, receivable
@@ -136,27 +138,25 @@ class WeightUpdater:
 
     def load_from_disk(self, path: str) -> None:
         """A whole checkpoint-format update from a folder of safetensors, whatever the configured backend."""
+        with self._from_disk(path) as (engine, info):
+            self._apply(engine, info)
+
+    def check_disk(self, path: str) -> None:
+        """load_from_disk's whole-update check alone (ValueError when refused); no weight changes."""
+        with self._from_disk(path) as (_, info):
+            self._check_info(info)
+
+    @contextlib.contextmanager
+    def _from_disk(self, path: str) -> Iterator[tuple[Any, Any]]:
+        """A disk transfer engine and the parsed update of the folder `path`, read as checkpoint names while the
+        block runs (the configured format again, and the engine shut down, after it)."""
         engine = self._make_engine("disk")
         engine.init_transfer_engine({})
         previous, self.is_checkpoint_format = self.is_checkpoint_format, True
         try:
-            self._apply(engine, engine.parse_update_info({"path": path}))
+            yield engine, engine.parse_update_info({"path": path})
         finally:
             self.is_checkpoint_format = previous
-            engine.shutdown()
-
-    def check_disk(self, path: str) -> None:
-        """load_from_disk's whole-update check alone (ValueError when refused); no weight changes."""
-        engine = self._make_engine("disk")
-        engine.init_transfer_engine({})
-        try:
-            info = engine.parse_update_info({"path": path})
-            previous, self.is_checkpoint_format = self.is_checkpoint_format, True
-            try:
-                self.check(list(info.names), list(info.dtype_names), [tuple(s) for s in info.shapes])
-            finally:
-                self.is_checkpoint_format = previous
-        finally:
             engine.shutdown()
 
     def init_broadcaster(self, host: str, port: int, rank_offset: int, inference_world_size: int,
@@ -180,8 +180,12 @@ class WeightUpdater:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _apply(self, engine: Any, info: Any) -> None:
+    def _check_info(self, info: Any) -> None:
+        """`check` of a parsed update's names, dtypes and shapes (ValueError when refused)."""
         self.check(list(info.names), list(info.dtype_names), [tuple(s) for s in info.shapes])
+
+    def _apply(self, engine: Any, info: Any) -> None:
+        self._check_info(info)
         # NOTE: from here on every error, a ValueError too (a file changed since its header was read), may come
         # after some copies: never "refused, nothing changed".
         try:
