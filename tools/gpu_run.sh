@@ -44,8 +44,13 @@ for s in $stages; do
       # session: hosts ~25% apart); best of five runs of a fixed loop.
       python3 -c "import timeit; print('python loop ms (best of 5):', round(1e3 * min(timeit.repeat('sum(i * i for i in range(1000000))', number=1, repeat=5)), 1))" ;;
     cuda_tests)  # SHARD=i/n: the i-th of n parts (test files in turn, tests/conftest.py's TEST_SHARD), for a suite
-      # longer than one device call (the whole suite took more than 570 s on the H100, 2026-12-06); -v names each test.
-      TEST_SHARD=${SHARD:-} python3 -m pytest -p no:cacheprovider -v -rfE --durations=15 tests 2>&1 \
+      # longer than one device call (on the H100, 2026-12-06: ~340 s and ~495 s for two of three parts; use
+      # SHARD=i/4). -vv names each test (pyproject's -q cancels one -v). A test still running after 240 s dumps every
+      # thread's stack into the log (pytest's faulthandler_timeout) and, where pytest-timeout is installed (the
+      # device's python has it), ends at 300 s: one hung test no longer eats the call (2026-12-06: it did).
+      to=""; python3 -c "import pytest_timeout" 2>/dev/null && to="--timeout=300"
+      TEST_SHARD=${SHARD:-} python3 -m pytest -p no:cacheprovider -vv -rfE --durations=15 -o faulthandler_timeout=240 \
+        $to tests 2>&1 \
         | tee "$OUT/cuda_suite_full.txt" | grep -v -e PASSED -e SKIPPED | tail -40 | tee "$OUT/cuda_suite.txt" ;;
     tests) python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/v1/attention tests/v1/sample tests/models tests/v1/worker} 2>&1 | tail -15 | tee "$OUT/cuda_tests.txt" ;;
     kprof) python3 tools/profiling/gpu_kernel_profile.py ${KPROF_ARGS:-} --out "$OUT" 2>&1 | grep -v -e Warning -e USDT | tee "$OUT/kernel_profile.txt" ;;
