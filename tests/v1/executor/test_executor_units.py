@@ -1,6 +1,7 @@
 """The executors' pieces that need no engine: the backend a config gets (one rank: UniProcExecutor whatever the
 backend), a remote rank's reply to the driver (it must survive the pickle round trip the driver's gather does),
-and the CUDA index the Ray driver takes for the GPU Ray gives it (its position in CUDA_VISIBLE_DEVICES)."""
+the CUDA index the Ray driver takes for the GPU Ray gives it (its position in CUDA_VISIBLE_DEVICES), and a CPU
+rank's intra-op threads."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor import distributed
 from vllm.v1.executor.distributed import _reply
 from vllm.v1.executor.ray_distributed_executor import driver_cuda_index
 
@@ -63,3 +65,17 @@ def test_driver_cuda_index(gpu_id: str, visible: str | None, want: int) -> None:
 def test_driver_cuda_index_of_a_hidden_gpu() -> None:
     with pytest.raises(RuntimeError, match="hides"):
         driver_cuda_index("1", "2,3")
+
+
+@pytest.mark.parametrize("cores, threads, world_size, want", [
+    (16, 16, 2, 8),   # torch's default: the node's cores split between the ranks
+    (16, 16, 4, 4),
+    (16, 1, 2, 1),    # OMP_NUM_THREADS=1 (the tests' setting) stays 1 on a 16-core GPU host
+    (16, 3, 2, 3),
+    (2, 2, 4, 1),     # more ranks than cores: one thread each
+])
+def test_cpu_threads_per_rank(monkeypatch: pytest.MonkeyPatch, cores: int, threads: int, world_size: int,
+                              want: int) -> None:
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(distributed.torch, "get_num_threads", lambda: threads)
+    assert distributed.cpu_threads_per_rank(world_size) == want

@@ -67,6 +67,13 @@ _NO_TIMEOUT = timedelta(days=3650)
 _step_group: GroupCoordinator | None = None
 
 
+def cpu_threads_per_rank(world_size: int) -> int:
+    """Intra-op threads of a CPU rank: the node's cores shared by the ranks (torch's default, every core in every
+    process, oversubscribes them), never more than this process already has (OMP_NUM_THREADS, which a rank's
+    process inherits: the tests set 1)."""
+    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size))
+
+
 def init_worker_distributed_environment(vllm_config: VllmConfig, rank: int, local_rank: int,
                                         distributed_init_method: str | None) -> None:
     """Join this engine's torch.distributed world (NCCL on CUDA, gloo on CPU), its tensor-parallel group and the
@@ -78,8 +85,7 @@ def init_worker_distributed_environment(vllm_config: VllmConfig, rank: int, loca
     if on_cuda:
         torch.cuda.set_device(local_rank)
     else:
-        # NOTE: the ranks share this node's cores; torch's default (all of them per process) oversubscribes them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
+        torch.set_num_threads(cpu_threads_per_rank(pc.world_size))
     init_distributed_environment(pc.world_size, rank, distributed_init_method or "env://", local_rank,
                                  "nccl" if on_cuda else "gloo")
     initialize_model_parallel(pc.tensor_parallel_size)
