@@ -1,11 +1,15 @@
-"""Test-wide setup for CPU machines, applied before collection.
+"""Test-wide setup, applied before collection.
 
 - TRITON_INTERPRET=1: without a GPU, Triton kernels run under the interpreter on CPU tensors. It must be set before
   any module defines a kernel.
-- OMP_NUM_THREADS=1 (unless already set): one intra-op thread per process, in this one and in every server, engine
-  core and worker it starts (they inherit the environment). The engines here run a tiny model whose ops last
-  microseconds; with two threads per process, several processes on a 2-core CI machine (pytest, an API server, an
-  engine core or two) make each parallel region wait for a descheduled thread.
+- OMP_NUM_THREADS=1 (unless already set): one intra-op thread in every server, engine core and worker the tests
+  start (they inherit the environment), on every machine, and in this process on a CPU machine. The CPU engines
+  here run a tiny model whose ops last microseconds; with several threads per process, several processes (pytest,
+  an API server, an engine core or two) make each parallel region wait for a descheduled thread: two threads on
+  the 2-core CI machine, torch's default of 16 on the 16-core GPU host (where, without the variable, a
+  data-parallel server test on CPU stalled for over nine minutes on 2026-12-06; a suspect only: 16 threads per
+  process on this 2-core machine did not stall it).
+  On a GPU machine this process keeps torch's threads for its CPU references.
 """
 
 import os
@@ -13,13 +17,13 @@ import os
 import pytest
 import torch
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # NOTE: measured on the 2-core machine with other work on it: tests/v1/e2e/test_sleep_mode.py took 20 s with one
     # thread against 171 s with two; a scaled_dot_product_attention call of the tiny model's decode shapes 0.16 ms
     # against 9 ms. With the machine to itself the two take the same time (tests/v1/e2e: 101 s against 104 s).
     # torch has read the variable already in this process, hence set_num_threads too.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

@@ -79,3 +79,21 @@ def test_cpu_threads_per_rank(monkeypatch: pytest.MonkeyPatch, cores: int, threa
     monkeypatch.setattr(distributed.os, "cpu_count", lambda: cores)
     monkeypatch.setattr(distributed.torch, "get_num_threads", lambda: threads)
     assert distributed.cpu_threads_per_rank(world_size) == want
+
+
+@pytest.mark.parametrize("dp, threads_before, want", [(1, 16, 16), (2, 16, 8), (2, 1, 1)])
+def test_a_cpu_engine_worker_takes_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch, dp: int,
+                                                          threads_before: int, want: int) -> None:
+    """A Worker on CPU, one of `dp` data-parallel engines on a 16-core node: torch's threads set to its share (one
+    engine: left as they are)."""
+    import torch
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.worker import Worker
+    config = EngineArgs(device="cpu", max_model_len=128, max_num_seqs=2, data_parallel_size=dp).create_engine_config()
+    threads = {"n": threads_before}
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads["n"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.update(n=n))
+    Worker(config)
+    assert threads["n"] == want

@@ -67,11 +67,12 @@ _NO_TIMEOUT = timedelta(days=3650)
 _step_group: GroupCoordinator | None = None
 
 
-def cpu_threads_per_rank(world_size: int) -> int:
-    """Intra-op threads of a CPU rank: the node's cores shared by the ranks (torch's default, every core in every
-    process, oversubscribes them), never more than this process already has (OMP_NUM_THREADS, which a rank's
-    process inherits: the tests set 1)."""
-    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size))
+def cpu_threads_per_rank(num_ranks: int) -> int:
+    """Intra-op threads of one of `num_ranks` CPU ranks (tensor-parallel ranks times data-parallel engines, Worker):
+    the node's cores shared by the ranks (torch's default, every core in every process, oversubscribes them; a
+    parallel region then waits for descheduled threads), never more than this process already has
+    (OMP_NUM_THREADS, which a rank's process inherits: the tests set 1)."""
+    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // num_ranks))
 
 
 def init_worker_distributed_environment(vllm_config: VllmConfig, rank: int, local_rank: int,
@@ -84,8 +85,6 @@ def init_worker_distributed_environment(vllm_config: VllmConfig, rank: int, loca
     on_cuda = vllm_config.device_config.device.startswith("cuda")
     if on_cuda:
         torch.cuda.set_device(local_rank)
-    else:
-        torch.set_num_threads(cpu_threads_per_rank(pc.world_size))
     init_distributed_environment(pc.world_size, rank, distributed_init_method or "env://", local_rank,
                                  "nccl" if on_cuda else "gloo")
     initialize_model_parallel(pc.tensor_parallel_size)

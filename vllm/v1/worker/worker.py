@@ -53,6 +53,10 @@ class Worker:
             from vllm.v1.executor.distributed import init_worker_distributed_environment
             init_worker_distributed_environment(vllm_config, rank, local_rank, distributed_init_method)
         self.device = vllm_config.device_config.torch_device
+        num_ranks = self.parallel_config.world_size * self.parallel_config.data_parallel_size
+        if self.device.type == "cpu" and num_ranks > 1:
+            from vllm.v1.executor.distributed import cpu_threads_per_rank
+            torch.set_num_threads(cpu_threads_per_rank(num_ranks))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
