@@ -47,9 +47,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time

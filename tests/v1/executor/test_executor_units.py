@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.executor import distributed
 from vllm.v1.executor.distributed import _reply
 from vllm.v1.executor.ray_distributed_executor import driver_cuda_index
+from vllm.v1.worker import worker as worker_mod
 
 
 def _config(backend: str, world_size: int) -> Any:
@@ -76,9 +76,9 @@ def test_driver_cuda_index_of_a_hidden_gpu() -> None:
 ])
 def test_cpu_threads_per_rank(monkeypatch: pytest.MonkeyPatch, cores: int, threads: int, world_size: int,
                               want: int) -> None:
-    monkeypatch.setattr(distributed.os, "cpu_count", lambda: cores)
-    monkeypatch.setattr(distributed.torch, "get_num_threads", lambda: threads)
-    assert distributed.cpu_threads_per_rank(world_size) == want
+    monkeypatch.setattr(worker_mod.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(worker_mod.torch, "get_num_threads", lambda: threads)
+    assert worker_mod.cpu_threads_per_rank(world_size) == want
 
 
 @pytest.mark.parametrize("dp, threads_before, want", [(1, 16, 16), (2, 16, 8), (2, 1, 1)])
@@ -89,11 +89,10 @@ def test_a_cpu_engine_worker_takes_its_share_of_the_cores(monkeypatch: pytest.Mo
     import torch
 
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.worker.worker import Worker
     config = EngineArgs(device="cpu", max_model_len=128, max_num_seqs=2, data_parallel_size=dp).create_engine_config()
     threads = {"n": threads_before}
-    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(worker_mod.os, "cpu_count", lambda: 16)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads["n"])
     monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.update(n=n))
-    Worker(config)
+    worker_mod.Worker(config)
     assert threads["n"] == want

@@ -67,14 +67,6 @@ _NO_TIMEOUT = timedelta(days=3650)
 _step_group: GroupCoordinator | None = None
 
 
-def cpu_threads_per_rank(num_ranks: int) -> int:
-    """Intra-op threads of one of `num_ranks` CPU ranks (tensor-parallel ranks times data-parallel engines, Worker):
-    the node's cores shared by the ranks (torch's default, every core in every process, oversubscribes them; a
-    parallel region then waits for descheduled threads), never more than this process already has
-    (OMP_NUM_THREADS, which a rank's process inherits: the tests set 1)."""
-    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // num_ranks))
-
-
 def init_worker_distributed_environment(vllm_config: VllmConfig, rank: int, local_rank: int,
                                         distributed_init_method: str | None) -> None:
     """Join this engine's torch.distributed world (NCCL on CUDA, gloo on CPU), its tensor-parallel group and the

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,14 @@ from vllm.v1.worker.weight_update import WeightUpdater
 logger = logging.getLogger(__name__)
 
 
+def cpu_threads_per_rank(num_ranks: int) -> int:
+    """Intra-op threads of one of `num_ranks` CPU ranks (tensor-parallel ranks times data-parallel engines): the
+    node's cores shared by the ranks (torch's default, every core in every process, oversubscribes them; a parallel
+    region then waits for descheduled threads), never more than this process already has (OMP_NUM_THREADS, which a
+    rank's process inherits: the tests set 1)."""
+    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // num_ranks))
+
+
 class Worker:
     def __init__(self, vllm_config: VllmConfig, rank: int = 0, local_rank: int = 0,
                  distributed_init_method: str | None = None) -> None:
@@ -55,7 +64,6 @@ class Worker:
         self.device = vllm_config.device_config.torch_device
         num_ranks = self.parallel_config.world_size * self.parallel_config.data_parallel_size
         if self.device.type == "cpu" and num_ranks > 1:
-            from vllm.v1.executor.distributed import cpu_threads_per_rank
             torch.set_num_threads(cpu_threads_per_rank(num_ranks))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
